@@ -1,0 +1,173 @@
+"""The kernel seam: every op a model file needs that a Triton / fla kernel may replace.
+
+Model files call ``self.backend.<op>`` only. ``TorchBackend`` is the reference twin: plain PyTorch,
+correct on any device, and what every faster backend is tested against. Backends register by name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from wmtp.engine.window import causal_key_positions
+from wmtp.models.context import ForwardContext
+
+
+class Backend(ABC):
+    """Ops behind the seam. Shapes are flat over the batch: T tokens, B requests."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+        """RMSNorm over the last dim; ``offset`` selects the Qwen3-Next ``x * (1 + w)`` form."""
+
+    @abstractmethod
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: ForwardContext,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write k, v [T, kv_heads, D] into the caches at ``ctx.write_slots``, then attend.
+
+        q: [T, heads, D]. Request b's queries see keys ``0..q`` (or its draft window) read from
+        the caches through ``ctx.kv_slots``. Returns [T, heads, D].
+        """
+
+    @abstractmethod
+    def gated_delta_net(
+        self,
+        mixed_qkv: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        conv_weight: torch.Tensor,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        ctx: ForwardContext,
+        layer_idx: int,
+        dims: tuple[int, int, int, int, int],
+    ) -> torch.Tensor:
+        """Causal conv + SiLU, then the gated delta rule, carrying per-request state slots.
+
+        mixed_qkv: [T, conv_dim] pre-conv [q | k | v]; g, beta: [T, HV]; conv_state:
+        [slots, conv_dim, K-1]; ssm_state: [slots, HV, Dk, Dv] fp32; dims = (HK, HV, Dk, Dv, K).
+        Updates the states of ``ctx.state_slots`` in place. Returns [T, HV, Dv].
+        """
+
+    @abstractmethod
+    def moe(
+        self,
+        x: torch.Tensor,
+        router_weight: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        top_k: int,
+        norm_topk_prob: bool,
+    ) -> torch.Tensor:
+        """Routed experts only (softmax router, top-k). x: [N, H]; gate_up: [E, 2I, H]; down: [E, H, I]."""
+
+
+_REGISTRY: dict[str, Callable[[], Backend]] = {}
+
+
+def register_backend(name: str) -> Callable[[type[Backend]], type[Backend]]:
+    def deco(cls: type[Backend]) -> type[Backend]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def get_backend(name: str = "torch") -> Backend:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; registered: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]()
+
+
+@register_backend("torch")
+class TorchBackend(Backend):
+    """Reference implementations (the twins every kernel is tested against)."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        if offset:
+            return (h * (1.0 + weight.float())).to(x.dtype)
+        return weight * h.to(x.dtype)
+
+    def attention(self, q, k, v, k_cache, v_cache, ctx, scale):
+        write = ctx.write_slots
+        k_cache[write] = k.to(k_cache.dtype)
+        v_cache[write] = v.to(v_cache.dtype)
+        out = torch.empty_like(q)
+        n_kv = k_cache.shape[1]
+        for b, (start, n) in enumerate(zip(ctx.q_starts, ctx.q_lens)):
+            if n == 0:
+                continue
+            lo = ctx.token_offsets[b]
+            window = ctx.window(b)
+            q_last = start + n - 1
+            # Gather only keys the rule lets some query read: O(sink + W) under a window.
+            keys = causal_key_positions(q_last) if window is None else window.key_positions(start, q_last)
+            keys = keys.to(q.device)
+            slots = ctx.kv_slots.slots(b, keys)
+            kb, vb = k_cache[slots].float(), v_cache[slots].float()  # [S, n_kv, D]
+            qb = q[lo : lo + n].float()  # [n, H, D]
+            qpos = torch.arange(start, q_last + 1, device=q.device)
+            mask = keys[None, :] <= qpos[:, None] if window is None else window.visible(qpos[:, None], keys[None, :])
+            group = qb.shape[1] // n_kv
+            qg = qb.view(n, n_kv, group, -1)
+            scores = torch.einsum("nkgd,skd->kgns", qg, kb) * scale
+            scores = scores.masked_fill(~mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            ob = torch.einsum("kgns,skd->nkgd", probs, vb)
+            out[lo : lo + n] = ob.reshape(n, -1, ob.shape[-1]).to(q.dtype)
+        return out
+
+    def gated_delta_net(self, mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims):
+        from wmtp.kernels.torch_gdn import causal_conv1d, gated_delta_rule
+
+        hk, hv, dk, dv, _ = dims
+        out = mixed_qkv.new_empty(mixed_qkv.shape[0], hv, dv)
+        for b, n in enumerate(ctx.q_lens):
+            if n == 0:
+                continue
+            lo = ctx.token_offsets[b]
+            slot = int(ctx.state_slots[b])
+            x = mixed_qkv[lo : lo + n]
+            conv_out, new_conv = causal_conv1d(x, conv_weight, conv_state[slot])
+            q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
+            q = q.reshape(n, hk, dk).repeat_interleave(hv // hk, dim=1)
+            k = k.reshape(n, hk, dk).repeat_interleave(hv // hk, dim=1)
+            v = v.reshape(n, hv, dv)
+            o, new_state = gated_delta_rule(q, k, v, g[lo : lo + n], beta[lo : lo + n], ssm_state[slot])
+            conv_state[slot] = new_conv.to(conv_state.dtype)
+            ssm_state[slot] = new_state.to(ssm_state.dtype)
+            out[lo : lo + n] = o
+        return out
+
+    def moe(self, x, router_weight, gate_up, down, top_k, norm_topk_prob):
+        logits = F.linear(x, router_weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        top_w, top_i = torch.topk(probs, top_k, dim=-1)
+        if norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        top_w = top_w.to(x.dtype)
+        out = torch.zeros_like(x)
+        inter = down.shape[-1]
+        for e in torch.unique(top_i).tolist():
+            rows, which = torch.where(top_i == e)
+            h = F.linear(x[rows], gate_up[e])
+            h = F.silu(h[:, :inter]) * h[:, inter:]
+            h = F.linear(h, down[e]) * top_w[rows, which, None]
+            out.index_add_(0, rows, h.to(out.dtype))
+        return out

@@ -1,0 +1,104 @@
+"""What one model forward needs to know besides the tokens: positions, KV addressing, state slots.
+
+A forward processes a flat batch of T tokens from B requests. Request b contributes ``q_lens[b]``
+query tokens at the contiguous positions ``q_starts[b] .. q_starts[b] + q_lens[b] - 1`` (prefill
+chunk, decode, verify, draft-extend and draft step are all of this form). Its keys are the
+positions ``0 .. q_last`` held in the layer's flat KV cache at the slots that ``kv_slots`` gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Protocol
+
+import torch
+
+from wmtp.engine.window import DraftWindow
+
+
+class KVSlots(Protocol):
+    """Maps (request index in the batch, key positions) to slots of a flat ``[num_slots, ...]`` cache."""
+
+    def slots(self, req: int, positions: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class PagedSlots:
+    """Paged target / full-length draft pool: ``slot = block_table[b, p // page] * page + p % page``."""
+
+    block_table: torch.Tensor  # [B, max_blocks] int
+    page_size: int
+
+    def slots(self, req: int, positions: torch.Tensor) -> torch.Tensor:
+        positions = positions.to(self.block_table.device)
+        pages = self.block_table[req, torch.div(positions, self.page_size, rounding_mode="floor")]
+        return pages.long() * self.page_size + positions % self.page_size
+
+
+@dataclass
+class RingSlots:
+    """Per-request draft ring (DESIGN §4): ``slot = base[b] + ring_slot(p)``."""
+
+    base: torch.Tensor  # [B] first slot of each request's ring
+    window: DraftWindow
+    num_draft_tokens: int
+
+    def slots(self, req: int, positions: torch.Tensor) -> torch.Tensor:
+        positions = positions.to(self.base.device)
+        return self.base[req].long() + self.window.ring_slot(positions, self.num_draft_tokens)
+
+
+@dataclass
+class ForwardContext:
+    """Per-forward metadata shared by every layer of one model (target or MTP head)."""
+
+    q_starts: list[int]
+    q_lens: list[int]
+    kv_slots: KVSlots | None = None
+    state_slots: torch.Tensor | None = None  # [B] recurrent-state slot per request (hybrid targets)
+    windows: list[DraftWindow | None] | None = None  # per request draft window; None = full causal
+    device: torch.device | str = "cpu"
+    # Filled by GDN layers when ``record_states`` is set (speculative verify): per layer, the
+    # per-token conv inputs and recurrent states so the engine can roll back to any accepted prefix.
+    record_states: bool = False
+    recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.q_starts) != len(self.q_lens):
+            raise ValueError("ForwardContext: q_starts and q_lens differ in length")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """[T] positions of all query tokens, request-major."""
+        parts = [torch.arange(s, s + n) for s, n in zip(self.q_starts, self.q_lens)]
+        return torch.cat(parts).to(self.device) if parts else torch.zeros(0, dtype=torch.long)
+
+    @cached_property
+    def token_offsets(self) -> list[int]:
+        """Start of each request's tokens in the flat batch (length B + 1)."""
+        out = [0]
+        for n in self.q_lens:
+            out.append(out[-1] + n)
+        return out
+
+    def window(self, req: int) -> DraftWindow | None:
+        return None if self.windows is None else self.windows[req]
+
+    @cached_property
+    def write_slots(self) -> torch.Tensor:
+        """[T] cache slot each query token's new K/V is written to."""
+        assert self.kv_slots is not None, "ForwardContext.kv_slots is needed by attention layers"
+        parts = [
+            self.kv_slots.slots(b, torch.arange(s, s + n, device=self.device))
+            for b, (s, n) in enumerate(zip(self.q_starts, self.q_lens))
+        ]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=self.device)

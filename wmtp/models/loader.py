@@ -1,0 +1,316 @@
+"""Build models: from HF checkpoints (memory-mapped safetensors, single or sharded), or with random
+weights created directly on the target device; and write checkpoints in exact HF layout.
+
+Checkpoint spellings handled here and nowhere else:
+- Qwen3.5 ``Qwen3_5MoeForConditionalGeneration`` keeps the LM under ``model.language_model.``;
+- routed experts stored per expert (``experts.{e}.gate_proj/up_proj/down_proj``) or packed
+  (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); wmtp holds them packed;
+- an MTP head may live in a separate ``mtp.safetensors`` next to a checkpoint that never had one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from wmtp.config import ModelConfig
+from wmtp.errors import CheckpointError, ConfigError
+from wmtp.models.layers import GatedDeltaNet, RMSNorm
+from wmtp.models.model import CausalLM
+
+log = logging.getLogger("wmtp")
+
+MTP_FILE = "mtp.safetensors"
+_EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_MTP_LAYER_RE = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, default: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = dtype or default
+    if key not in DTYPES:
+        raise ConfigError(f"dtype {key!r} is not supported; supported: {sorted(DTYPES)}")
+    return DTYPES[key]
+
+
+def lm_prefix(cfg: ModelConfig) -> str:
+    """Where the language model's ``model.*`` tensors live in the checkpoint."""
+    return "model.language_model." if cfg.model_type == "qwen3_5_moe" else "model."
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype, backend: str = "torch") -> CausalLM:
+    """Allocate an uninitialised model directly on ``device`` in ``dtype`` (no CPU staging)."""
+    with torch.device("meta"):
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = CausalLM(cfg, backend)
+        finally:
+            torch.set_default_dtype(prev)
+    model.to_empty(device=device)
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def init_random_(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
+    """Small-variance random init on the model's device: activations stay finite at depth.
+
+    Output projections are scaled by 1/sqrt(2 * layers) (GPT-2 style) so the residual stream does
+    not grow with depth; norms start at identity; GDN decay parameters follow the reference init.
+    """
+    cfg = model.config
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out_std = std / math.sqrt(2 * max(cfg.num_layers, 1))
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("A_log", "dt_bias"):
+            continue  # set below with their module
+        if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight", "experts.down_proj")):
+            p.normal_(0.0, out_std, generator=gen)
+        elif p.ndim >= 2:
+            p.normal_(0.0, std, generator=gen)
+        else:
+            p.zero_()  # biases
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.weight.fill_(0.0 if m.offset else 1.0)
+        elif isinstance(m, GatedDeltaNet):
+            m.norm.weight.fill_(1.0)
+            m.dt_bias.fill_(1.0)
+            a = torch.empty(m.A_log.shape, device=device, dtype=torch.float32).uniform_(1.0, 16.0, generator=gen)
+            m.A_log.copy_(a.log())
+            k = m.conv1d.weight.shape[-1]
+            m.conv1d.weight.normal_(0.0, 1.0 / math.sqrt(k), generator=gen)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# reading checkpoints
+# ---------------------------------------------------------------------------------------------
+def checkpoint_files(ckpt: Path) -> dict[str, Path]:
+    """Tensor name -> file, over model.safetensors(.index.json) and an optional mtp.safetensors."""
+    from safetensors import safe_open
+
+    index = ckpt / "model.safetensors.index.json"
+    names: dict[str, Path] = {}
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: unreadable shard index ({e!r})") from None
+        for name, fname in weight_map.items():
+            names[name] = ckpt / fname
+        for f in set(names.values()):
+            if not f.exists():
+                raise CheckpointError(f"{index} names shard {f.name}, which does not exist")
+    elif (ckpt / "model.safetensors").exists():
+        f = ckpt / "model.safetensors"
+        with safe_open(f, "pt") as h:
+            names = {k: f for k in h.keys()}
+    else:
+        raise CheckpointError(f"{ckpt}: no model.safetensors or model.safetensors.index.json")
+    extra = ckpt / MTP_FILE
+    if extra.exists():
+        with safe_open(extra, "pt") as h:
+            names.update({k: extra for k in h.keys()})
+    return names
+
+
+def _count_mtp_layers(names: list[str]) -> int:
+    idx = {int(m.group(1)) for n in names if (m := _MTP_LAYER_RE.match(n))}
+    return max(idx) + 1 if idx else 0
+
+
+class _Target:
+    """Where one checkpoint tensor goes: a parameter, or one expert's slice of a packed parameter."""
+
+    def __init__(self, param: torch.Tensor, key: str, index: tuple = ()) -> None:
+        self.param, self.key, self.index = param, key, index
+
+    @property
+    def view(self) -> torch.Tensor:
+        return self.param[self.index] if self.index else self.param
+
+
+def _targets(model: CausalLM, ckpt_names: list[str]) -> tuple[dict[str, _Target], dict[str, int]]:
+    """Map checkpoint names to destinations; also returns how many pieces each parameter needs."""
+    cfg = model.config
+    params = dict(model.named_parameters())
+    prefix = lm_prefix(cfg)
+    out: dict[str, _Target] = {}
+    for name in ckpt_names:
+        ours = "model." + name[len(prefix):] if name.startswith(prefix) else name
+        if ours in params:
+            out[name] = _Target(params[ours], ours)
+            continue
+        m = _EXPERT_RE.match(ours)
+        if m and m.group(1) + ".gate_up_proj" in params:
+            base, e, kind = m.group(1), int(m.group(2)), m.group(3)
+            packed = params[base + (".down_proj" if kind == "down_proj" else ".gate_up_proj")]
+            if e >= packed.shape[0]:
+                continue  # reported as unused: expert index beyond num_experts
+            inter = packed.shape[1] // 2
+            rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter), "down_proj": slice(None)}[kind]
+            out[name] = _Target(packed, f"{base}.{e}.{kind}", (e, rows))
+    # pieces each parameter needs: 1, or one per expert-slice when stored per expert
+    need = {k: 1 for k in params}
+    for k, p in params.items():
+        if k.endswith("experts.gate_up_proj"):
+            need[k] = 2 * p.shape[0]
+        elif k.endswith("experts.down_proj"):
+            need[k] = p.shape[0]
+    if cfg.tie_word_embeddings:
+        need.pop("lm_head.weight", None)
+    return out, need
+
+
+def _to_checkpoint_name(cfg: ModelConfig, ours: str) -> str:
+    return lm_prefix(cfg) + ours[len("model."):] if ours.startswith("model.") else ours
+
+
+@torch.no_grad()
+def load_weights(model: CausalLM, ckpt: Path, names: dict[str, Path]) -> None:
+    """Copy every checkpoint tensor into its parameter; fail on a missing tensor or wrong shape."""
+    from safetensors import safe_open
+
+    cfg = model.config
+    targets, need = _targets(model, list(names))
+    got: dict[str, int] = defaultdict(int)
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for n in targets:
+        by_file[names[n]].append(n)
+    for f, ns in by_file.items():
+        with safe_open(f, "pt") as h:
+            for n in ns:
+                t = targets[n]
+                shape = tuple(h.get_slice(n).get_shape())
+                packed_whole = t.index == () and t.key.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                if shape != tuple(t.view.shape):
+                    raise CheckpointError(
+                        f"{f.name}: tensor {n!r} has shape {list(shape)}, expected {list(t.view.shape)}"
+                    )
+                t.view.copy_(h.get_tensor(n).to(device=t.param.device, dtype=t.param.dtype))
+                pkey = t.key if not t.index else _packed_key(t.key)
+                got[pkey] += need.get(pkey, 1) if packed_whole else 1
+    missing = [k for k, n in need.items() if got.get(k, 0) < n]
+    if missing:
+        shown = [_to_checkpoint_name(cfg, k) for k in missing[:5]]
+        raise CheckpointError(
+            f"{ckpt}: {len(missing)} tensor(s) missing from the checkpoint, e.g. {shown}"
+            + (" (per-expert tensors incomplete)" if any("experts" in k for k in missing[:5]) else "")
+        )
+    unused = sorted(set(names) - set(targets))
+    if unused:
+        log.warning("%s: %d unused tensor(s) in the checkpoint, e.g. %s", ckpt, len(unused), unused[:4])
+
+
+def _packed_key(slice_key: str) -> str:
+    """``...experts.{e}.gate_proj`` -> ``...experts.gate_up_proj``; ``down_proj`` -> ``experts.down_proj``."""
+    base, _e, kind = slice_key.rsplit(".", 2)
+    return f"{base}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}"
+
+
+def load_checkpoint(
+    path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None, backend: str = "torch"
+) -> CausalLM:
+    ckpt = Path(path)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"{ckpt}: not a checkpoint directory")
+    cfg = ModelConfig.from_file(ckpt / "config.json")
+    names = checkpoint_files(ckpt)
+    n_mtp = _count_mtp_layers(list(names))
+    if cfg.num_nextn_predict_layers == 0 and n_mtp:
+        cfg = cfg.replace(num_nextn_predict_layers=n_mtp)  # a head attached next to the checkpoint
+    model = build_model(cfg, device, resolve_dtype(dtype, cfg.torch_dtype), backend)
+    load_weights(model, ckpt, names)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# writing checkpoints
+# ---------------------------------------------------------------------------------------------
+def checkpoint_state(model: CausalLM, expert_layout: str = "per_expert") -> dict[str, torch.Tensor]:
+    """The model's tensors under HF checkpoint names, experts per expert or packed."""
+    if expert_layout not in ("per_expert", "packed"):
+        raise ValueError(f"expert_layout={expert_layout!r}; supported: ['packed', 'per_expert']")
+    cfg = model.config
+    out: dict[str, torch.Tensor] = {}
+    for ours, p in model.state_dict().items():
+        name = _to_checkpoint_name(cfg, ours)
+        if expert_layout == "per_expert" and ours.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            base = name.rsplit(".", 1)[0]
+            inter = p.shape[1] // 2
+            for e in range(p.shape[0]):
+                if ours.endswith("gate_up_proj"):
+                    out[f"{base}.{e}.gate_proj.weight"] = p[e, :inter]
+                    out[f"{base}.{e}.up_proj.weight"] = p[e, inter:]
+                else:
+                    out[f"{base}.{e}.down_proj.weight"] = p[e]
+        else:
+            out[name] = p
+    return {k: v.detach().contiguous().cpu() for k, v in out.items()}
+
+
+def save_checkpoint(
+    model: CausalLM,
+    out: str | Path,
+    expert_layout: str = "per_expert",
+    max_shard_bytes: int = 4 << 30,
+    separate_mtp: bool | None = None,
+) -> Path:
+    """Write config.json + safetensors (sharded with an index above ``max_shard_bytes``).
+
+    ``separate_mtp`` (default: for dense Llama-family targets) writes the head to mtp.safetensors,
+    leaving a checkpoint that transformers loads as a plain model.
+    """
+    from safetensors.torch import save_file
+
+    cfg = model.config
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = checkpoint_state(model, expert_layout)
+    if separate_mtp is None:
+        separate_mtp = not cfg.is_hybrid
+    raw = json.loads(json.dumps(cfg.raw))
+    text = raw["text_config"] if "text_config" in raw else raw
+    text["dtype"] = next(model.parameters()).dtype.__repr__().split(".")[-1]
+    if cfg.num_nextn_predict_layers and not separate_mtp:
+        text["num_nextn_predict_layers"] = cfg.num_nextn_predict_layers
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    if separate_mtp:
+        mtp = {k: state.pop(k) for k in [k for k in state if k.startswith("mtp.")]}
+        if mtp:
+            save_file(mtp, out / MTP_FILE, metadata={"format": "pt", "wmtp_mtp_style": "deepseek"})
+    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+        stale.unlink()
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in state.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+        return out
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out / fname, metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(v.numel() * v.element_size() for v in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out

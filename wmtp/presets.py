@@ -1,0 +1,172 @@
+"""Model-shape presets (DESIGN §7) as HF config.json dicts, for random-weight cost runs and tests.
+
+A preset is exactly what ``make-checkpoint`` writes as config.json, so transformers loads the
+result. The large shapes follow the public configs; the 1M-context ones carry the YaRN factor-4
+rope scaling the paper uses to extend Qwen's 262,144-token native context to 1M.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from wmtp.config import ModelConfig
+from wmtp.errors import ConfigError
+
+_YARN_1M = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144}
+
+
+def _qwen35_moe(hidden: int, layers: int, heads: int, gdn_v_heads: int, expert_inter: int, vocab: int = 248320,
+                experts: int = 256, top_k: int = 8, **extra: Any) -> dict[str, Any]:
+    cfg = {
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "full_attention_interval": 4,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": gdn_v_heads,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": expert_inter,
+        "shared_expert_intermediate_size": expert_inter,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 1048576,
+        "rope_parameters": {"rope_theta": 10000000.0, "partial_rotary_factor": 0.25, **_YARN_1M},
+        "tie_word_embeddings": False,
+        "mtp_num_hidden_layers": 1,
+        "eos_token_id": 0,
+        "dtype": "bfloat16",
+    }
+    cfg.update(extra)
+    return cfg
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3.6-35b-a3b": _qwen35_moe(hidden=2048, layers=40, heads=16, gdn_v_heads=32, expert_inter=512),
+    "qwen3.5-122b-a10b": _qwen35_moe(hidden=3072, layers=48, heads=32, gdn_v_heads=64, expert_inter=1024),
+    "qwen3-next-80b-a3b": {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 5120,
+        "num_hidden_layers": 48,
+        "full_attention_interval": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 1048576,
+        "rope_parameters": {"rope_theta": 10000000.0, "partial_rotary_factor": 0.25, **_YARN_1M},
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 1,
+        "eos_token_id": 0,
+        "dtype": "bfloat16",
+    },
+    # ---- tiny shapes: the same code paths, for CPU tests and the demo ----
+    "tiny-qwen3.5-moe": _qwen35_moe(
+        hidden=64, layers=4, heads=4, gdn_v_heads=4, expert_inter=32, vocab=512, experts=8, top_k=2,
+        head_dim=16, num_key_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, max_position_embeddings=65536,
+        rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "default"},
+        dtype="float32",
+    ),
+    "tiny-qwen3-next": {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "full_attention_interval": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [0],
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 65536,
+        "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "default"},
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 1,
+        "eos_token_id": 0,
+        "dtype": "float32",
+    },
+    "tiny-llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 65536,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": True,
+        "num_nextn_predict_layers": 1,
+        "eos_token_id": 0,
+        "dtype": "float32",
+    },
+    "tiny-qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 65536,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "num_nextn_predict_layers": 1,
+        "eos_token_id": 0,
+        "dtype": "float32",
+    },
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
+    return ModelConfig.from_dict(copy.deepcopy(PRESETS[name]))
