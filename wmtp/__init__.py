@@ -20,7 +20,7 @@ def load_model(path_or_preset: str, device: str = "cpu", dtype: Any = None, seed
 
     if Path(path_or_preset).is_dir():
         return load_checkpoint(path_or_preset, device=device, dtype=dtype, backend=backend)
-    if path_or_preset not in PRESETS and ("/" in path_or_preset or Path(path_or_preset).suffix):
+    if path_or_preset not in PRESETS and ("/" in path_or_preset or Path(path_or_preset).exists()):
         from wmtp.errors import CheckpointError
 
         raise CheckpointError(f"{path_or_preset}: no such checkpoint directory (and not a preset name)")

@@ -157,7 +157,7 @@ class ModelConfig:
         try:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
-            raise ConfigError(f"{path}: config.json not found") from None
+            raise ConfigError(f"{path}: not found") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         return _parse(raw)
@@ -190,9 +190,16 @@ def _require(text: dict[str, Any], key: str, model_type: str) -> Any:
 
 
 def _layer_types(text: dict[str, Any], n_layers: int, family: str) -> list[str]:
-    if family == "dense":
-        return ["full_attention"] * n_layers
     lt = text.get("layer_types")
+    if family == "dense":
+        if text.get("use_sliding_window"):
+            raise ConfigError("config.json field 'use_sliding_window'=true is not supported; supported: [false]")
+        bad = sorted({t for t in (lt or []) if t != "full_attention"})
+        if bad:
+            raise ConfigError(
+                f"config.json field 'layer_types' has unsupported value(s) {bad}; supported: ['full_attention']"
+            )
+        return ["full_attention"] * n_layers
     if lt is None:
         interval = text.get("full_attention_interval", 4)
         if not isinstance(interval, int) or interval < 1:

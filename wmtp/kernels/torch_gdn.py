@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from wmtp.kernels.common import acc_dtype
+
 __all__ = [
     "RECURRENT_MAX_TOKENS",
     "causal_conv1d",
@@ -114,8 +116,8 @@ def _prepare(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """fp32, head-major ([HV, T, ...]) copies; q/k L2-normalised, q scaled by Dk**-0.5."""
-    qf, kf, vf = (t.transpose(0, 1).to(torch.float32) for t in (q, k, v))
-    gf, bf = (t.transpose(0, 1).to(torch.float32) for t in (g, beta))
+    qf, kf, vf = (t.transpose(0, 1).to(acc_dtype(q)) for t in (q, k, v))
+    gf, bf = (t.transpose(0, 1).to(acc_dtype(q)) for t in (g, beta))
     qf = l2_normalize(qf) * (qf.shape[-1] ** -0.5)
     kf = l2_normalize(kf)
     return qf, kf, vf, gf, bf
@@ -123,9 +125,9 @@ def _prepare(
 
 def _initial_state(initial_state: Tensor | None, HV: int, Dk: int, Dv: int, like: Tensor) -> Tensor:
     if initial_state is None:
-        return like.new_zeros(HV, Dk, Dv, dtype=torch.float32)
+        return like.new_zeros(HV, Dk, Dv, dtype=acc_dtype(like))
     # .to() may alias the caller's tensor; the algorithms below never write in place.
-    return initial_state.to(device=like.device, dtype=torch.float32)
+    return initial_state.to(device=like.device, dtype=acc_dtype(like))
 
 
 def gated_delta_rule_recurrent(
@@ -191,14 +193,17 @@ def gated_delta_rule_chunked(
 
     # [HV, N, L, D] and [HV, N, L]
     qc, kc, vc = (t.reshape(HV, N, L, t.shape[-1]) for t in (qf, kf, vf))
-    gc = gf.reshape(HV, N, L).cumsum(dim=-1)
+    # Log-decays accumulate in fp64: with strong decay G reaches ~-1e3 inside a chunk, where fp32
+    # rounding of G_i - G_j alone is ~1e-4, enough to make results depend on chunk boundaries.
+    gc64 = gf.reshape(HV, N, L).double().cumsum(dim=-1)
+    gc = gc64.to(qf.dtype)
     bc = bf.reshape(HV, N, L)
 
     # Pairwise decays exp(G_i - G_j) on and below the diagonal (masked before exp: the
     # upper triangle would be exp(positive) and could overflow).
-    diff = gc[..., :, None] - gc[..., None, :]
+    diff = gc64[..., :, None] - gc64[..., None, :]
     causal = torch.ones(L, L, dtype=torch.bool, device=qf.device).tril()
-    decay_ij = diff.masked_fill(~causal, float("-inf")).exp()  # [HV, N, L, L]
+    decay_ij = diff.masked_fill(~causal, float("-inf")).exp().to(qf.dtype)  # [HV, N, L, L]
 
     kb = kc * bc[..., None]
     strict = torch.ones(L, L, dtype=torch.bool, device=qf.device).tril(-1)
@@ -210,7 +215,7 @@ def gated_delta_rule_chunked(
 
     attn = (qc @ kc.transpose(-1, -2)) * decay_ij  # intra-chunk, causal incl. diagonal
     q_dec = qc * gc.exp()[..., None]  # reads S0 decayed to position i
-    k_dec = kc * (gc[..., -1:] - gc).exp()[..., None]  # contribution decayed to chunk end
+    k_dec = kc * (gc64[..., -1:] - gc64).exp().to(qf.dtype)[..., None]  # contribution decayed to chunk end
     chunk_decay = gc[..., -1].exp()  # [HV, N]
 
     out = vf.new_empty(HV, N, L, Dv)
@@ -277,10 +282,10 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
     """
     assert x.shape == gate.shape and weight.shape == x.shape[-1:], (x.shape, gate.shape, weight.shape)
     in_dtype = x.dtype
-    xf = x.to(torch.float32)
+    xf = x.to(acc_dtype(x))
     xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
     y = weight * xf.to(in_dtype)
-    y = y * F.silu(gate.to(torch.float32))
+    y = y * F.silu(gate.to(acc_dtype(x)))
     return y.to(in_dtype)
 
 
@@ -297,6 +302,7 @@ def gdn_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Ten
         beta: [T, HV] ``sigmoid(b)`` in ``b.dtype`` (the delta rule upcasts it to fp32).
     """
     assert a.shape == b.shape and a.shape[-1:] == A_log.shape == dt_bias.shape
-    g = -A_log.to(torch.float32).exp() * F.softplus(a.to(torch.float32) + dt_bias.to(torch.float32))
+    acc = acc_dtype(a)
+    g = -A_log.to(acc).exp() * F.softplus(a.to(acc) + dt_bias.to(acc))
     beta = torch.sigmoid(b)
     return g, beta

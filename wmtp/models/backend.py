@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from wmtp.engine.window import causal_key_positions
+from wmtp.kernels.common import acc_dtype
 from wmtp.models.context import ForwardContext
 
 
@@ -98,10 +99,10 @@ class TorchBackend(Backend):
     """Reference implementations (the twins every kernel is tested against)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
-        h = x.float()
+        h = x.to(acc_dtype(x))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         if offset:
-            return (h * (1.0 + weight.float())).to(x.dtype)
+            return (h * (1.0 + weight.to(h.dtype))).to(x.dtype)
         return weight * h.to(x.dtype)
 
     def attention(self, q, k, v, k_cache, v_cache, ctx, scale):
@@ -120,8 +121,9 @@ class TorchBackend(Backend):
             keys = causal_key_positions(q_last) if window is None else window.key_positions(start, q_last)
             keys = keys.to(q.device)
             slots = ctx.kv_slots.slots(b, keys)
-            kb, vb = k_cache[slots].float(), v_cache[slots].float()  # [S, n_kv, D]
-            qb = q[lo : lo + n].float()  # [n, H, D]
+            acc = acc_dtype(q)
+            kb, vb = k_cache[slots].to(acc), v_cache[slots].to(acc)  # [S, n_kv, D]
+            qb = q[lo : lo + n].to(acc)  # [n, H, D]
             qpos = torch.arange(start, q_last + 1, device=q.device)
             mask = keys[None, :] <= qpos[:, None] if window is None else window.visible(qpos[:, None], keys[None, :])
             group = qb.shape[1] // n_kv

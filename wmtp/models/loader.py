@@ -30,7 +30,7 @@ _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.
 _MTP_LAYER_RE = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, default: str) -> torch.dtype:
@@ -142,8 +142,8 @@ class _Target:
         return self.param[self.index] if self.index else self.param
 
 
-def _targets(model: CausalLM, ckpt_names: list[str]) -> tuple[dict[str, _Target], dict[str, int]]:
-    """Map checkpoint names to destinations; also returns how many pieces each parameter needs."""
+def _targets(model: CausalLM, ckpt_names: list[str]) -> dict[str, _Target]:
+    """Map checkpoint names to destinations (a parameter, or one expert's slice of a packed one)."""
     cfg = model.config
     params = dict(model.named_parameters())
     prefix = lm_prefix(cfg)
@@ -162,16 +162,25 @@ def _targets(model: CausalLM, ckpt_names: list[str]) -> tuple[dict[str, _Target]
             inter = packed.shape[1] // 2
             rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter), "down_proj": slice(None)}[kind]
             out[name] = _Target(packed, f"{base}.{e}.{kind}", (e, rows))
-    # pieces each parameter needs: 1, or one per expert-slice when stored per expert
-    need = {k: 1 for k in params}
-    for k, p in params.items():
-        if k.endswith("experts.gate_up_proj"):
-            need[k] = 2 * p.shape[0]
-        elif k.endswith("experts.down_proj"):
-            need[k] = p.shape[0]
-    if cfg.tie_word_embeddings:
-        need.pop("lm_head.weight", None)
-    return out, need
+    return out
+
+
+def _missing_tensors(model: CausalLM, whole: set[str], pieces: dict[str, set[tuple[int, str]]]) -> list[str]:
+    """Checkpoint names of everything not loaded; per-expert gaps are named expert by expert."""
+    cfg = model.config
+    missing = []
+    for key, p in model.named_parameters():
+        if key in whole or (key == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        name = _to_checkpoint_name(cfg, key)
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")) and key in pieces:
+            kinds = ("down_proj",) if key.endswith("down_proj") else ("gate_proj", "up_proj")
+            base = name.rsplit(".", 1)[0]
+            missing += [f"{base}.{e}.{k}.weight" for e in range(p.shape[0]) for k in kinds
+                        if (e, k) not in pieces[key]]
+        else:
+            missing.append(name)
+    return missing
 
 
 def _to_checkpoint_name(cfg: ModelConfig, ours: str) -> str:
@@ -184,8 +193,9 @@ def load_weights(model: CausalLM, ckpt: Path, names: dict[str, Path]) -> None:
     from safetensors import safe_open
 
     cfg = model.config
-    targets, need = _targets(model, list(names))
-    got: dict[str, int] = defaultdict(int)
+    targets = _targets(model, list(names))
+    whole: set[str] = set()  # parameters loaded as one tensor
+    pieces: dict[str, set[tuple[int, str]]] = defaultdict(set)  # packed key -> (expert, kind) loaded
     by_file: dict[Path, list[str]] = defaultdict(list)
     for n in targets:
         by_file[names[n]].append(n)
@@ -194,21 +204,19 @@ def load_weights(model: CausalLM, ckpt: Path, names: dict[str, Path]) -> None:
             for n in ns:
                 t = targets[n]
                 shape = tuple(h.get_slice(n).get_shape())
-                packed_whole = t.index == () and t.key.endswith(("experts.gate_up_proj", "experts.down_proj"))
                 if shape != tuple(t.view.shape):
                     raise CheckpointError(
                         f"{f.name}: tensor {n!r} has shape {list(shape)}, expected {list(t.view.shape)}"
                     )
                 t.view.copy_(h.get_tensor(n).to(device=t.param.device, dtype=t.param.dtype))
-                pkey = t.key if not t.index else _packed_key(t.key)
-                got[pkey] += need.get(pkey, 1) if packed_whole else 1
-    missing = [k for k, n in need.items() if got.get(k, 0) < n]
+                if t.index:
+                    base, e, kind = t.key.rsplit(".", 2)
+                    pieces[_packed_key(t.key)].add((int(e), kind))
+                else:
+                    whole.add(t.key)
+    missing = _missing_tensors(model, whole, pieces)
     if missing:
-        shown = [_to_checkpoint_name(cfg, k) for k in missing[:5]]
-        raise CheckpointError(
-            f"{ckpt}: {len(missing)} tensor(s) missing from the checkpoint, e.g. {shown}"
-            + (" (per-expert tensors incomplete)" if any("experts" in k for k in missing[:5]) else "")
-        )
+        raise CheckpointError(f"{ckpt}: {len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[:5]}")
     unused = sorted(set(names) - set(targets))
     if unused:
         log.warning("%s: %d unused tensor(s) in the checkpoint, e.g. %s", ckpt, len(unused), unused[:4])
@@ -284,8 +292,11 @@ def save_checkpoint(
     raw = json.loads(json.dumps(cfg.raw))
     text = raw["text_config"] if "text_config" in raw else raw
     text["dtype"] = next(model.parameters()).dtype.__repr__().split(".")[-1]
+    for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
+        text.pop(key, None)
     if cfg.num_nextn_predict_layers and not separate_mtp:
-        text["num_nextn_predict_layers"] = cfg.num_nextn_predict_layers
+        key = "mtp_num_hidden_layers" if cfg.model_type.startswith("qwen3_5") else "num_nextn_predict_layers"
+        text[key] = cfg.num_nextn_predict_layers
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     if separate_mtp:
         mtp = {k: state.pop(k) for k in [k for k in state if k.startswith("mtp.")]}

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from wmtp.config import ModelConfig
+from wmtp.kernels.common import acc_dtype
 from wmtp.models.backend import Backend, get_backend
 from wmtp.models.context import ForwardContext, PagedSlots
 from wmtp.models.layers import DecoderLayer, make_norm
@@ -156,7 +157,7 @@ class CausalLM(nn.Module):
         if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
             raise ValueError(f"score: token ids must be in [0, vocab_size={self.config.vocab_size})")
         with self.private_cache(1, ids.numel()) as cache:
-            return self.compute_logits(self(ids, cache.context([0], [ids.numel()]))).float()
+            return self.compute_logits(self(ids, cache.context([0], [ids.numel()]))).to(acc_dtype(p))
 
 
 class PrivateCache:
@@ -173,7 +174,7 @@ class PrivateCache:
         for gdn in model.gdn_layers():
             conv_dim = gdn.conv1d.weight.shape[0]
             gdn.conv_state = torch.zeros(batch, conv_dim, gdn.kernel - 1, device=p.device, dtype=p.dtype)
-            gdn.ssm_state = torch.zeros(batch, gdn.hv, gdn.dk, gdn.dv, device=p.device, dtype=torch.float32)
+            gdn.ssm_state = torch.zeros(batch, gdn.hv, gdn.dk, gdn.dv, device=p.device, dtype=acc_dtype(p))
         table = torch.arange(batch, device=p.device)[:, None]
         self.kv_slots = PagedSlots(table, max_len)
         self.state_slots = torch.arange(batch, device=p.device)

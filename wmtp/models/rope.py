@@ -274,11 +274,12 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     if rot_dim % 2 or rot_dim > x.shape[-1]:
         raise ValueError(f"cos/sin width {rot_dim} must be even and <= head_dim {x.shape[-1]}")
     half = rot_dim // 2
-    c = cos[..., :half].unsqueeze(-2).float()  # broadcast over heads
-    s = sin[..., :half].unsqueeze(-2).float()
-    x1 = x[..., :half].float()
-    x2 = x[..., half:rot_dim].float()
+    acc = torch.promote_types(x.dtype, torch.float32)
+    c = cos[..., :half].unsqueeze(-2).to(acc)  # broadcast over heads
+    s = sin[..., :half].unsqueeze(-2).to(acc)
+    x1 = x[..., :half].to(acc)
+    x2 = x[..., half:rot_dim].to(acc)
     parts = [x1 * c - x2 * s, x2 * c + x1 * s]
     if rot_dim < x.shape[-1]:
-        parts.append(x[..., rot_dim:].float())
+        parts.append(x[..., rot_dim:].to(acc))
     return torch.cat(parts, dim=-1).to(x.dtype)

@@ -1,0 +1,115 @@
+"""``wmtp`` command line. Each sub-command lives in a small function; imports stay inside them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from wmtp.errors import WmtpError
+
+Setup = Callable[[argparse.ArgumentParser], None]
+Run = Callable[[argparse.Namespace], int]
+COMMANDS: dict[str, tuple[str, Setup, Run]] = {}
+
+
+def register(name: str, help: str, setup: Setup, run: Run) -> None:
+    COMMANDS[name] = (help, setup, run)
+
+
+def _make_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", required=True, help="preset name (see `wmtp presets`)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the random weights are made (cuda for big presets)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the preset's)")
+    p.add_argument("--expert-layout", choices=["per_expert", "packed"], default="per_expert")
+    p.add_argument("--max-shard-gb", type=float, default=4.0)
+
+
+def make_checkpoint(a: argparse.Namespace) -> int:
+    import wmtp
+    from wmtp.models.loader import save_checkpoint
+    from wmtp.tokenizer import build_tiny_tokenizer
+
+    model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, seed=a.seed)
+    out = save_checkpoint(model, a.out, expert_layout=a.expert_layout, max_shard_bytes=int(a.max_shard_gb * 2**30))
+    build_tiny_tokenizer(model.config.vocab_size, out)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"wrote {a.preset} ({n / 1e6:.1f}M parameters, seed {a.seed}) to {out}")
+    return 0
+
+
+register("make-checkpoint", "write a random-weight checkpoint of a preset in exact HF layout",
+         _make_checkpoint_args, make_checkpoint)
+
+
+def presets(a: argparse.Namespace) -> int:
+    from wmtp.presets import PRESETS, preset_config
+
+    for name in PRESETS:
+        c = preset_config(name)
+        n_full = len(c.full_attention_layers)
+        print(f"{name:22s} {c.model_type:18s} layers={c.num_layers} (full attention {n_full}) hidden={c.hidden_size} "
+              f"experts={c.num_experts} mtp_layers={c.num_nextn_predict_layers}")
+    return 0
+
+
+register("presets", "list the built-in model-shape presets", lambda p: None, presets)
+
+
+def _score_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint directory")
+    src.add_argument("--preset", help="preset name (random weights)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+
+
+def score(a: argparse.Namespace) -> int:
+    """Perplexity of a text under the target (full-sequence forward, no cache)."""
+    import math
+
+    import torch
+
+    import wmtp
+    from wmtp.tokenizer import TextTokenizer
+
+    model = wmtp.load_model(a.model or a.preset, device=a.device, dtype=a.dtype)
+    tok = TextTokenizer.maybe_load(a.model)
+    ids = tok.encode(a.prompt) if tok else [int(x) for x in a.prompt.split()]
+    if len(ids) < 2:
+        raise WmtpError(f"--prompt must give at least 2 tokens (got {len(ids)})")
+    logp = torch.log_softmax(model.score(ids)[:-1].float(), dim=-1)
+    nll = -logp.gather(1, torch.tensor(ids[1:], device=logp.device)[:, None]).mean().item()
+    print(f"{len(ids)} tokens, mean NLL {nll:.4f}, perplexity {math.exp(nll):.2f}")
+    return 0
+
+
+register("score", "perplexity of a text under the target model", _score_args, score)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wmtp", description="Windowed-MTP inference engine")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help, setup, _) in COMMANDS.items():
+        setup(sub.add_parser(name, help=help, description=help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return COMMANDS[args.command][2](args)
+    except WmtpError as e:
+        print(f"wmtp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
