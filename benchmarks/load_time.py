@@ -5,6 +5,7 @@ Usage: python benchmarks/load_time.py --preset qwen3.6-35b-a3b --out results.jso
 
 import argparse
 import json
+import resource
 import time
 
 import torch
@@ -34,7 +35,9 @@ def main() -> None:
         "preset": a.preset, "dtype": a.dtype, "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "params": n_params, "load_seconds": round(t_load, 2),
         "gpu_mem_allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
-        "cpu_staging": False, "score_64_tokens_seconds_torch_backend": round(t_score, 2),
+        # ru_maxrss is KiB on Linux: a CPU-staged 35B bf16 model would need ~65 GiB here
+        "peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "score_64_tokens_seconds_torch_backend": round(t_score, 2),
         "logits_finite": bool(torch.isfinite(logits).all()), "logits_std": float(logits.std()),
     }
     print(json.dumps(res, indent=2))
