@@ -27,3 +27,18 @@ def load_model(path_or_preset: str, device: str = "cpu", dtype: Any = None, seed
     cfg = preset_config(path_or_preset)
     model = build_model(cfg, device, resolve_dtype(dtype, cfg.torch_dtype), backend)
     return init_random_(model, seed)
+
+
+_LAZY = {
+    "LLM": "wmtp.engine.llm",
+    "SpecConfig": "wmtp.engine.config",
+    "SamplingParams": "wmtp.engine.sampling",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'wmtp' has no attribute {name!r}")

@@ -151,7 +151,13 @@ class TorchBackend(Backend):
             q = q.reshape(n, hk, dk).repeat_interleave(hv // hk, dim=1)
             k = k.reshape(n, hk, dk).repeat_interleave(hv // hk, dim=1)
             v = v.reshape(n, hv, dv)
-            o, new_state = gated_delta_rule(q, k, v, g[lo : lo + n], beta[lo : lo + n], ssm_state[slot])
+            if ctx.record_states:  # verify: keep every per-token state so the engine can roll back
+                o, states = _per_token_states(q, k, v, g[lo : lo + n], beta[lo : lo + n], ssm_state[slot])
+                new_state = states[-1]
+                window = torch.cat([conv_state[slot].transpose(0, 1), x.to(conv_state.dtype)])
+                ctx.recorded.setdefault(layer_idx, []).append((window, states))
+            else:
+                o, new_state = gated_delta_rule(q, k, v, g[lo : lo + n], beta[lo : lo + n], ssm_state[slot])
             conv_state[slot] = new_conv.to(conv_state.dtype)
             ssm_state[slot] = new_state.to(ssm_state.dtype)
             out[lo : lo + n] = o
@@ -173,3 +179,15 @@ class TorchBackend(Backend):
             h = F.linear(h, down[e]) * top_w[rows, which, None]
             out.index_add_(0, rows, h.to(out.dtype))
         return out
+
+
+def _per_token_states(q, k, v, g, beta, state):
+    """Token-by-token delta rule returning outputs and the state after every token: [n, HV, Dk, Dv]."""
+    from wmtp.kernels.torch_gdn import gated_delta_rule_recurrent
+
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        o, state = gated_delta_rule_recurrent(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], state)
+        outs.append(o)
+        states.append(state)
+    return torch.cat(outs), torch.stack(states)

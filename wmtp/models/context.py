@@ -59,10 +59,11 @@ class ForwardContext:
     state_slots: torch.Tensor | None = None  # [B] recurrent-state slot per request (hybrid targets)
     windows: list[DraftWindow | None] | None = None  # per request draft window; None = full causal
     device: torch.device | str = "cpu"
-    # Filled by GDN layers when ``record_states`` is set (speculative verify): per layer, the
-    # per-token conv inputs and recurrent states so the engine can roll back to any accepted prefix.
+    # Filled by GDN layers when ``record_states`` is set (speculative verify): per layer, per
+    # request, (conv window [K-1+n, C] = old conv state then this forward's inputs, recurrent state
+    # after every token [n, HV, Dk, Dv]) so the engine can roll back to any accepted prefix.
     record_states: bool = False
-    recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    recorded: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.q_starts) != len(self.q_lens):

@@ -53,6 +53,21 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.scale = cfg.head_dim**-0.5
 
+    def project_kv(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-position K (normed, rotated) and V: all a cache slot holds."""
+        t = x.shape[0]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            k = self.k_norm(k)
+        return apply_rotary(k, *cos_sin), v
+
+    def write_kv(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> None:
+        """Fill cache slots without attending (draft-prefill sparsification, DESIGN §4)."""
+        k, v = self.project_kv(x, cos_sin)
+        self.k_cache[ctx.write_slots] = k.to(self.k_cache.dtype)
+        self.v_cache[ctx.write_slots] = v.to(self.v_cache.dtype)
+
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x)
@@ -60,12 +75,10 @@ class Attention(nn.Module):
             q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(t, -1)
         q = q.reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = self.q_norm(q)
+        q = apply_rotary(q, *cos_sin)
+        k, v = self.project_kv(x, cos_sin)
         o = self.backend.attention(q, k, v, self.k_cache, self.v_cache, ctx, self.scale).reshape(t, -1)
         if self.gated:
             o = o * torch.sigmoid(gate)

@@ -45,9 +45,12 @@ class QwenMTPHead(nn.Module):
         )
         self.norm = make_norm(cfg, h, backend)
 
+    def fuse(self, emb: torch.Tensor, hidden: torch.Tensor, idx: int) -> torch.Tensor:
+        """The decoder layer's input at each slot: fc(cat(norm(embedding), norm(hidden)))."""
+        return self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
+
     def step(self, emb: torch.Tensor, hidden: torch.Tensor, cos_sin, ctx: ForwardContext, idx: int) -> torch.Tensor:
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        return self.norm(self.layers[idx](x, cos_sin, ctx))
+        return self.norm(self.layers[idx](self.fuse(emb, hidden, idx), cos_sin, ctx))
 
 
 class DeepSeekMTPLayer(DecoderLayer):
@@ -69,10 +72,13 @@ class DeepSeekMTPHead(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(DeepSeekMTPLayer(cfg, backend) for _ in range(cfg.num_nextn_predict_layers))
 
+    def fuse(self, emb: torch.Tensor, hidden: torch.Tensor, idx: int) -> torch.Tensor:
+        layer = self.layers[idx]
+        return layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(hidden)], dim=-1))
+
     def step(self, emb: torch.Tensor, hidden: torch.Tensor, cos_sin, ctx: ForwardContext, idx: int) -> torch.Tensor:
         layer = self.layers[idx]
-        x = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(hidden)], dim=-1))
-        return layer.shared_head.norm(DecoderLayer.forward(layer, x, cos_sin, ctx))
+        return layer.shared_head.norm(DecoderLayer.forward(layer, self.fuse(emb, hidden, idx), cos_sin, ctx))
 
 
 def mtp_style(cfg: ModelConfig) -> str:
@@ -119,6 +125,15 @@ class CausalLM(nn.Module):
             raise ValueError("this model has no MTP head (num_nextn_predict_layers = 0)")
         emb = self.model.embed_tokens(input_ids)
         return self.mtp.step(emb, hidden, self.rotary(ctx.positions), ctx, layer_idx)
+
+    @torch.no_grad()
+    def mtp_write_kv(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, layer_idx: int = 0) -> None:
+        """Write the MTP layer's K/V at draft slots ``ctx.positions`` without running attention or
+        the FFN: a slot's K/V depend only on its own (embedding, hidden) pair (DESIGN §4)."""
+        assert self.mtp is not None
+        layer = self.mtp.layers[layer_idx]
+        x = self.mtp.fuse(self.model.embed_tokens(input_ids), hidden, layer_idx)
+        layer.self_attn.write_kv(layer.input_layernorm(x), self.rotary(ctx.positions), ctx)
 
     # ---- cache views ----------------------------------------------------------------------
     def attention_layers(self) -> list[nn.Module]:

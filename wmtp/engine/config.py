@@ -1,0 +1,101 @@
+"""Speculation and engine settings, validated on construction (bad values name the field)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wmtp.engine.window import DraftWindow
+from wmtp.errors import ConfigError
+
+MODES = ("dense", "native", "windowed")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How the MTP head drafts (DESIGN §1). ``num_draft_tokens`` = d = γ + 1 verify tokens.
+
+    ``window_min_context=N``: a request drafts with the window only once its context exceeds N
+    (shorter contexts read all keys, which needs the full-length pool: ``ring=False``).
+    """
+
+    mode: str = "windowed"
+    num_draft_tokens: int = 4
+    window: int = 4032
+    sink: int = 64
+    ring: bool = True
+    window_min_context: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"SpecConfig.mode={self.mode!r}; supported: {list(MODES)}")
+        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
+            raise ConfigError(f"SpecConfig.num_draft_tokens (d)={self.num_draft_tokens!r} must be an int >= 1")
+        if self.mode != "dense" and self.num_draft_tokens < 2:
+            raise ConfigError(
+                f"SpecConfig.num_draft_tokens (d)={self.num_draft_tokens} must be >= 2 in mode {self.mode!r} "
+                "(d = 1 means no draft: use mode='dense')"
+            )
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ConfigError(f"SpecConfig.window (W)={self.window!r} must be an int >= 1")
+        if not isinstance(self.sink, int) or self.sink < 0:
+            raise ConfigError(f"SpecConfig.sink={self.sink!r} must be an int >= 0")
+        if self.window_min_context < 0:
+            raise ConfigError(f"SpecConfig.window_min_context={self.window_min_context} must be >= 0")
+        if self.uses_ring and self.window_min_context > 0:
+            raise ConfigError(
+                "SpecConfig.window_min_context > 0 needs ring=False: below that context the draft reads "
+                f"every key, which the ring of sink+W+d={self.ring_size} slots does not keep"
+            )
+
+    @property
+    def speculative(self) -> bool:
+        return self.mode != "dense"
+
+    @property
+    def gamma(self) -> int:
+        """Drafted tokens per iteration (γ = d - 1); 0 in dense mode."""
+        return self.num_draft_tokens - 1 if self.speculative else 0
+
+    @property
+    def verify_tokens(self) -> int:
+        return self.gamma + 1
+
+    @property
+    def draft_window(self) -> DraftWindow | None:
+        return DraftWindow(self.sink, self.window) if self.mode == "windowed" else None
+
+    @property
+    def uses_ring(self) -> bool:
+        return self.mode == "windowed" and self.ring
+
+    @property
+    def ring_size(self) -> int:
+        return self.sink + self.window + self.num_draft_tokens
+
+    def window_for(self, context_len: int) -> DraftWindow | None:
+        """The window a request with ``context_len`` committed tokens drafts with (None = all keys)."""
+        if self.mode != "windowed" or context_len <= self.window_min_context:
+            return None
+        return self.draft_window
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Capacity knobs. Pools are sized once, up front; admission never exceeds them."""
+
+    max_model_len: int = 4096
+    max_num_seqs: int = 8
+    page_size: int = 16
+    num_kv_pages: int | None = None  # default: enough for max_num_seqs requests of max_model_len
+    kv_memory_bytes: int | None = None  # alternative: size the pools from a byte budget
+    prefill_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "page_size", "prefill_chunk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"EngineConfig.{name}={v!r} must be an int >= 1")
+        if self.num_kv_pages is not None and self.num_kv_pages < 1:
+            raise ConfigError(f"EngineConfig.num_kv_pages={self.num_kv_pages} must be >= 1")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:
+            raise ConfigError(f"EngineConfig.kv_memory_bytes={self.kv_memory_bytes} must be >= 1")

@@ -1,0 +1,334 @@
+"""The engine: requests, scheduler and the speculative iteration (DESIGN §2).
+
+Per request, between iterations: committed tokens x_0..x_{L-1}; the target has seen x_0..x_{L-2}
+(KV at positions 0..L-2, recurrent state after x_{L-2}); draft slots are written up to L-2; the
+first draft token d_1 and the MTP output at slot L-2 are in hand. One iteration: γ−1 draft steps,
+one verify forward of d = γ+1 tokens, acceptance + bonus, GDN rollback, draft-extend over the
+accepted slots with the target's true hidden states (which also yields the next d_1).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from wmtp.engine.config import EngineConfig, SpecConfig
+from wmtp.engine.memory import Allocation, MemoryManager
+from wmtp.engine.metrics import RequestMetrics
+from wmtp.engine.sampling import SamplingParams, accept_greedy, accept_speculative, filtered_probs, sample
+from wmtp.errors import WmtpError
+from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
+from wmtp.models.model import CausalLM
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    alloc: Allocation | None = None
+    prefilled: int = 0  # prompt positions the target has processed
+    pending_hidden: torch.Tensor | None = None  # h of the last prefilled position (draft lags by one)
+    draft_token: int | None = None  # d_1
+    draft_q: torch.Tensor | None = None  # its draft distribution (sampling mode)
+    draft_hidden: torch.Tensor | None = None  # MTP output at slot L-2
+    finish_reason: str | None = None
+    new_tokens: list[int] = field(default_factory=list)  # emitted since the last step() (streaming)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+
+@dataclass
+class StepOutput:
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+class Engine:
+    """Continuous batching over one model; ``step()`` advances every running request once."""
+
+    def __init__(self, model: CausalLM, spec: SpecConfig, eng: EngineConfig) -> None:
+        if spec.speculative and model.mtp is None:
+            raise WmtpError(f"mode {spec.mode!r} needs an MTP head; this model has none (use mode='dense')")
+        self.model, self.spec, self.eng = model, spec, eng
+        p = model.model.embed_tokens.weight
+        self.device, self.dtype = p.device, p.dtype
+        self.memory = MemoryManager(model.config, spec, eng, self.dtype)
+        self.memory.bind(model, self.device)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self._ids = itertools.count()
+        self.stop_ids = set(model.config.eos_token_ids)
+
+    # ---- request lifecycle ---------------------------------------------------------------------
+    def add_request(self, prompt: list[int], params: SamplingParams) -> int:
+        if not isinstance(params, SamplingParams):
+            raise WmtpError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if len(prompt) == 0:
+            raise WmtpError("prompt is empty: give at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise WmtpError(f"prompt token ids must be ints in [0, vocab_size={vocab}); got e.g. {bad[:3]}")
+        self.memory.check_fits_ever(len(prompt), params.max_tokens)
+        rid = next(self._ids)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
+        req = Request(rid, list(prompt), params, RequestMetrics(self.spec.gamma, time.perf_counter()), gen,
+                      tokens=list(prompt))
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return rid
+
+    def abort(self, rid: int) -> None:
+        req = self.requests.get(rid)
+        if req is not None and req.status != Status.FINISHED:
+            self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.status == Status.WAITING:
+            self.waiting.remove(req)
+        elif req in self.running:
+            self.running.remove(req)
+        if req.alloc is not None:
+            self.memory.release(req.id)
+            req.alloc = None
+        req.status, req.finish_reason = Status.FINISHED, reason
+        req.metrics.finish_time = time.perf_counter()
+        req.pending_hidden = req.draft_hidden = req.draft_q = None
+
+    # ---- scheduling ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[StepOutput]:
+        """Admit what fits, run one prefill chunk per prefilling request, one iteration for all
+        decoding requests; return what each request emitted."""
+        while self.waiting and self.memory.can_admit(len(self.waiting[0].prompt) + self.waiting[0].params.max_tokens):
+            req = self.waiting.popleft()
+            req.alloc = self.memory.admit(req.id, len(req.prompt) + req.params.max_tokens)
+            req.status = Status.PREFILL
+            self.running.append(req)
+        touched = []
+        for req in [r for r in self.running if r.status == Status.PREFILL]:
+            self._prefill_chunk(req)
+            touched.append(req)
+        decoding = [r for r in self.running if r.status == Status.DECODE and r not in touched]
+        if decoding:
+            self._iteration(decoding)
+            touched += decoding
+        outs = []
+        for req in touched:
+            if req.new_tokens or req.status == Status.FINISHED:
+                outs.append(StepOutput(req.id, req.new_tokens, req.status == Status.FINISHED, req.finish_reason))
+                req.new_tokens = []
+        return outs
+
+    # ---- contexts ------------------------------------------------------------------------------
+    def _target_ctx(self, reqs: list[Request], starts: list[int], lens: list[int], record: bool = False) -> ForwardContext:
+        table = _block_table([r.alloc.pages for r in reqs], self.device)
+        slots = [r.alloc.state_slot for r in reqs]
+        states = torch.tensor(slots, device=self.device) if slots[0] is not None else None
+        return ForwardContext(starts, lens, PagedSlots(table, self.eng.page_size), states,
+                              device=self.device, record_states=record)
+
+    def _draft_ctx(self, reqs: list[Request], starts: list[int], lens: list[int], windows) -> ForwardContext:
+        if self.spec.uses_ring:
+            base = torch.tensor([self._ring_base(r) for r in reqs], device=self.device)
+            slots = RingSlots(base, self.spec.draft_window, self.spec.num_draft_tokens)
+        else:
+            slots = PagedSlots(_block_table([r.alloc.draft_pages for r in reqs], self.device), self.eng.page_size)
+        return ForwardContext(starts, lens, slots, device=self.device, windows=windows)
+
+    def _ring_base(self, req: Request) -> int:
+        return req.alloc.ring * self.spec.ring_size
+
+    # ---- prefill -------------------------------------------------------------------------------
+    def _prefill_chunk(self, req: Request) -> None:
+        n, s = len(req.prompt), req.prefilled
+        e = min(n, s + self.eng.prefill_chunk)
+        ids = torch.tensor(req.prompt[s:e], device=self.device)
+        hidden = self.model(ids, self._target_ctx([req], [s], [e - s]))
+        req.prefilled = e
+        if self.spec.speculative:
+            self._draft_prefill_chunk(req, s, e, hidden)
+        if e < n:
+            return
+        first = self._sample_target(req, self.model.compute_logits(hidden[-1:]))[0]
+        req.metrics.first_token_time = time.perf_counter()
+        if self._emit(req, [first]) and self.spec.speculative:
+            # draft slot n-1 = (embed(x_n), h_{n-1}) -> d_1
+            out = self._draft_forward(req, [first], req.pending_hidden, n - 1)
+            self._set_draft(req, out)
+        req.pending_hidden = None
+        if req.status != Status.FINISHED:
+            req.status = Status.DECODE
+
+    def _draft_prefill_chunk(self, req: Request, s: int, e: int, hidden: torch.Tensor) -> None:
+        """Draft slots whose next token is in the prompt: [s-1, e-1) (h_{s-1} held from the last chunk)."""
+        n = len(req.prompt)
+        lo = max(s - 1, 0)
+        hid = hidden[: e - 1 - s] if s == 0 else torch.cat([req.pending_hidden, hidden[: e - 1 - s]])
+        req.pending_hidden = hidden[-1:]
+        hi = e - 1  # exclusive
+        if hi <= lo:
+            return
+        ids = torch.tensor(req.prompt[lo + 1 : hi + 1], device=self.device)
+        window = self.spec.window_for(n)
+        if window is None:
+            ctx = self._draft_ctx([req], [lo], [hi - lo], [None])
+            self.model.mtp_forward(ids, hid, ctx)
+            return
+        # Sparsified (DESIGN §4): only slots some future query can read get K/V; no attention here.
+        keep = torch.tensor([window.ever_read(p, n) for p in range(lo, hi)], device=self.device)
+        for a, b in _runs(keep.tolist()):
+            ctx = self._draft_ctx([req], [lo + a], [b - a], [window])
+            self.model.mtp_write_kv(ids[a:b], hid[a:b], ctx)
+
+    # ---- one speculative iteration for a batch -------------------------------------------------
+    def _iteration(self, reqs: list[Request]) -> None:
+        t0 = time.perf_counter()
+        gamma, d = self.spec.gamma, self.spec.verify_tokens
+        lens = [len(r.tokens) for r in reqs]
+        drafts = [[r.draft_token] for r in reqs] if gamma else [[] for _ in reqs]
+        qs = [[r.draft_q] for r in reqs]
+        if gamma > 1:
+            windows = [self.spec.window_for(L) for L in lens]
+            hid = torch.cat([r.draft_hidden for r in reqs])
+            for i in range(1, gamma):  # draft step i writes slot L-2+i and proposes d_{i+1}
+                ids = torch.tensor([dr[-1] for dr in drafts], device=self.device)
+                ctx = self._draft_ctx(reqs, [L - 2 + i for L in lens], [1] * len(reqs), windows)
+                hid = self.model.mtp_forward(ids, hid, ctx)
+                logits = self.model.compute_logits(hid)
+                for b, r in enumerate(reqs):
+                    tok, q = self._sample_draft(r, logits[b : b + 1], lens[b] + i)
+                    drafts[b].append(tok)
+                    qs[b].append(q)
+        # verify: [x_{L-1}, d_1..d_γ] at positions L-1..L+γ-1, one forward for the batch
+        ids = torch.tensor([t for r, dr in zip(reqs, drafts) for t in [r.tokens[-1], *dr]], device=self.device)
+        ctx = self._target_ctx(reqs, [L - 1 for L in lens], [d] * len(reqs), record=gamma > 0)
+        hidden = self.model(ids, ctx)
+        logits = self.model.compute_logits(hidden).view(len(reqs), d, -1)
+        hidden = hidden.view(len(reqs), d, -1)
+        results = [self._accept(r, drafts[b], qs[b], logits[b]) for b, r in enumerate(reqs)]
+        if gamma:
+            self._rollback(reqs, [a for a, _ in results], ctx)
+        seconds = time.perf_counter() - t0
+        extend = []
+        for b, (r, (a, bonus)) in enumerate(zip(reqs, results)):
+            r.metrics.record_iteration(a, seconds)
+            if self._emit(r, drafts[b][:a] + [bonus]) and gamma:
+                extend.append((r, lens[b], drafts[b][:a] + [bonus], hidden[b, : a + 1]))
+        if extend:
+            self._extend(extend)
+
+    def _accept(self, req: Request, drafts: list[int], qs: list, logits: torch.Tensor) -> tuple[int, int]:
+        if req.params.greedy:
+            target = torch.argmax(logits, dim=-1)
+            return accept_greedy(torch.tensor(drafts, dtype=torch.long, device=logits.device), target)
+        p = filtered_probs(logits.float(), req.params)
+        if not drafts:
+            return 0, int(sample(p, req.generator)[0])
+        q = torch.cat(qs)
+        return accept_speculative(torch.tensor(drafts, device=logits.device), q, p, req.generator)
+
+    def _rollback(self, reqs: list[Request], accepted: list[int], ctx: ForwardContext) -> None:
+        """Set each GDN layer's state to the one after the last accepted token (verify index a)."""
+        for layer in self.model.gdn_layers():
+            rec = ctx.recorded[layer.layer_idx]
+            k = layer.kernel
+            for r, a, (window, states) in zip(reqs, accepted, rec):
+                slot = r.alloc.state_slot
+                layer.ssm_state[slot] = states[a]
+                layer.conv_state[slot] = window[a + 1 : a + k].transpose(0, 1)
+
+    def _extend(self, items: list[tuple[Request, int, list[int], torch.Tensor]]) -> None:
+        """Draft-extend over slots L-1..L-1+a with the TRUE target hiddens; its last output is d_1."""
+        reqs = [it[0] for it in items]
+        ids = torch.tensor([t for it in items for t in it[2]], device=self.device)
+        hid = torch.cat([it[3] for it in items])
+        ctx = self._draft_ctx(reqs, [L - 1 for _, L, _, _ in items], [len(t) for _, _, t, _ in items],
+                              [self.spec.window_for(L) for _, L, _, _ in items])
+        out = self.model.mtp_forward(ids, hid, ctx)
+        ends = torch.tensor(ctx.token_offsets[1:], device=self.device) - 1
+        last = out[ends]
+        for b, r in enumerate(reqs):
+            self._set_draft(r, last[b : b + 1])
+
+    # ---- draft helpers -------------------------------------------------------------------------
+    def _draft_forward(self, req: Request, ids: list[int], hidden: torch.Tensor, start: int) -> torch.Tensor:
+        ctx = self._draft_ctx([req], [start], [len(ids)], [self.spec.window_for(len(req.tokens))])
+        return self.model.mtp_forward(torch.tensor(ids, device=self.device), hidden, ctx)[-1:]
+
+    def _set_draft(self, req: Request, mtp_out: torch.Tensor) -> None:
+        req.draft_hidden = mtp_out
+        req.draft_token, req.draft_q = self._sample_draft(req, self.model.compute_logits(mtp_out), len(req.tokens))
+
+    def _sample_draft(self, req: Request, logits: torch.Tensor, pos: int) -> tuple[int, torch.Tensor | None]:
+        """Propose the token at sequence position ``pos`` (tests override this to inject drafts:
+        verification must be lossless whatever the draft proposes)."""
+        if req.params.greedy:
+            return int(torch.argmax(logits[0])), None
+        q = filtered_probs(logits.float(), req.params)
+        return int(sample(q, req.generator)[0]), q
+
+    def _sample_target(self, req: Request, logits: torch.Tensor) -> list[int]:
+        if req.params.greedy:
+            return torch.argmax(logits, dim=-1).tolist()
+        return sample(filtered_probs(logits.float(), req.params), req.generator).tolist()
+
+    # ---- emission ------------------------------------------------------------------------------
+    def _emit(self, req: Request, tokens: list[int]) -> bool:
+        """Append tokens, cutting at a stop token or max_tokens; returns True if still running."""
+        p = req.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.stop_ids)
+        for t in tokens:
+            req.tokens.append(t)
+            req.new_tokens.append(t)
+            req.metrics.num_generated += 1
+            if t in stops:
+                self._finish(req, "stop")
+                return False
+            if req.num_generated >= p.max_tokens:
+                self._finish(req, "length")
+                return False
+        return True
+
+
+def _block_table(pages: list[list[int]], device) -> torch.Tensor:
+    width = max(len(p) for p in pages)
+    return torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.long, device=device)
+
+
+def _runs(mask: list[bool]) -> list[tuple[int, int]]:
+    """Maximal [start, end) runs of True."""
+    out, start = [], None
+    for i, m in enumerate(mask + [False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out

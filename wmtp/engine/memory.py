@@ -1,0 +1,229 @@
+"""KV and state pools, sized up front, with admission by budget (DESIGN §4).
+
+- Target KV: ``num_pages`` pages of ``page_size`` slots, one tensor per full-attention layer.
+- Draft KV: a full-length paged pool (native; windowed with ring=False) or one ring of
+  ``sink + W + d`` slots per request (windowed, ring=True).
+- Recurrent state: one GDN conv + SSM state slot per running request (hybrid targets).
+
+A request reserves its worst case at admission (pages for prompt + max_tokens + d), so a running
+request can never run out of memory; one that does not fit waits, and one that could never fit is
+refused with the limit named. ``release`` returns everything a request held.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from wmtp.config import ModelConfig
+from wmtp.engine.config import EngineConfig, SpecConfig
+from wmtp.errors import WmtpError
+
+
+class CapacityError(WmtpError):
+    """A request that can never fit in the engine's pools (names the limit)."""
+
+
+class FreeList:
+    """Integer ids 0..n-1; allocation order is LIFO (recently freed first: warm memory)."""
+
+    def __init__(self, n: int) -> None:
+        self.capacity = n
+        self._free = list(range(n - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"FreeList: asked for {n}, {len(self._free)} free")  # callers check first
+        out = [self._free.pop() for _ in range(n)]
+        self._used.update(out)
+        return out
+
+    def free(self, ids: list[int]) -> None:
+        for i in ids:
+            if i not in self._used:
+                raise RuntimeError(f"FreeList: double free of {i}")
+            self._used.remove(i)
+            self._free.append(i)
+
+
+@dataclass
+class Allocation:
+    """Everything one request holds."""
+
+    pages: list[int]
+    draft_pages: list[int] = field(default_factory=list)
+    ring: int | None = None
+    state_slot: int | None = None
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    num_pages: int
+    num_draft_pages: int
+    num_rings: int
+    num_state_slots: int
+
+
+class MemoryManager:
+    """Owns the pools and their tensors; binds them to the model's layers."""
+
+    def __init__(self, model_cfg: ModelConfig, spec: SpecConfig, eng: EngineConfig, dtype: torch.dtype) -> None:
+        self.cfg, self.spec, self.eng, self.dtype = model_cfg, spec, eng, dtype
+        self.elt = torch.empty(0, dtype=dtype).element_size()
+        self.sizes = self._plan()
+        self.pages = FreeList(self.sizes.num_pages)
+        self.draft_pages = FreeList(self.sizes.num_draft_pages)
+        self.rings = FreeList(self.sizes.num_rings)
+        self.state_slots = FreeList(self.sizes.num_state_slots)
+        self.seq_slots = FreeList(eng.max_num_seqs)
+        self.held: dict[int, tuple[Allocation, int]] = {}  # request id -> (allocation, seq slot)
+
+    # ---- sizing ------------------------------------------------------------------------------
+    @property
+    def draft_is_paged(self) -> bool:
+        return self.spec.speculative and not self.spec.uses_ring
+
+    def pages_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.eng.page_size)
+
+    @property
+    def target_page_bytes(self) -> int:
+        return self.eng.page_size * self.cfg.target_kv_bytes_per_token(self.elt)
+
+    @property
+    def draft_slot_bytes(self) -> int:
+        return self.cfg.draft_kv_bytes_per_token(self.elt) * max(self.cfg.num_nextn_predict_layers, 1)
+
+    @property
+    def state_slot_bytes(self) -> int:
+        c = self.cfg
+        if not c.is_hybrid:
+            return 0
+        conv = c.gdn_conv_dim * (c.linear_conv_kernel_dim - 1) * self.elt
+        ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        return len(c.linear_attention_layers) * (conv + ssm)
+
+    def _plan(self) -> PoolSizes:
+        e, s = self.eng, self.spec
+        per_seq_pages = self.pages_for(e.max_model_len + s.num_draft_tokens)
+        rings = e.max_num_seqs if s.uses_ring else 0
+        states = e.max_num_seqs if self.cfg.is_hybrid else 0
+        if e.num_kv_pages is not None:
+            pages = e.num_kv_pages
+        elif e.kv_memory_bytes is not None:
+            fixed = rings * s.ring_size * self.draft_slot_bytes + states * self.state_slot_bytes
+            per_page = self.target_page_bytes + (e.page_size * self.draft_slot_bytes if self.draft_is_paged else 0)
+            pages = (e.kv_memory_bytes - fixed) // max(per_page, 1)
+            if pages < per_seq_pages // max(e.max_num_seqs, 1) or pages < 1:
+                raise CapacityError(
+                    f"kv_memory_bytes={e.kv_memory_bytes} leaves room for {max(pages, 0)} KV pages after "
+                    f"{fixed} bytes of rings/states; raise it or lower max_num_seqs"
+                )
+        else:
+            pages = e.max_num_seqs * per_seq_pages
+        return PoolSizes(pages, pages if self.draft_is_paged else 0, rings, states)
+
+    def bytes_report(self) -> dict[str, int]:
+        """Bytes of each pool (what the metrics and the memory table report)."""
+        z = self.sizes
+        return {
+            "target_kv": z.num_pages * self.target_page_bytes,
+            "draft_pool": z.num_draft_pages * self.eng.page_size * self.draft_slot_bytes,
+            "draft_ring": z.num_rings * self.spec.ring_size * self.draft_slot_bytes,
+            "state_pool": z.num_state_slots * self.state_slot_bytes,
+        }
+
+    # ---- tensors -----------------------------------------------------------------------------
+    def bind(self, model: torch.nn.Module, device: torch.device | str) -> None:
+        """Allocate the pool tensors and attach per-layer views to the model's layers."""
+        c, slots = self.cfg, self.sizes.num_pages * self.eng.page_size
+        attn = model.attention_layers()
+        kv = torch.zeros(len(attn), 2, slots, c.num_kv_heads, c.head_dim, device=device, dtype=self.dtype)
+        for i, layer in enumerate(attn):
+            layer.k_cache, layer.v_cache = kv[i, 0], kv[i, 1]
+        draft_slots = (self.sizes.num_draft_pages * self.eng.page_size) + self.sizes.num_rings * self.spec.ring_size
+        mtp = model.mtp_attention_layers()
+        if self.spec.speculative and mtp:
+            dkv = torch.zeros(len(mtp), 2, draft_slots, c.num_kv_heads, c.head_dim, device=device, dtype=self.dtype)
+            for i, layer in enumerate(mtp):
+                layer.k_cache, layer.v_cache = dkv[i, 0], dkv[i, 1]
+        n = max(self.sizes.num_state_slots, 1)
+        for layer in model.gdn_layers():
+            layer.conv_state = torch.zeros(n, c.gdn_conv_dim, c.linear_conv_kernel_dim - 1, device=device, dtype=self.dtype)
+            layer.ssm_state = torch.zeros(n, layer.hv, layer.dk, layer.dv, device=device, dtype=torch.float32)
+        self._gdn_layers = model.gdn_layers()
+
+    # ---- admission ---------------------------------------------------------------------------
+    def need(self, total_tokens: int) -> Allocation:
+        """What a request of ``total_tokens`` (prompt + max_tokens) reserves (ids left empty)."""
+        n = self.pages_for(total_tokens + self.spec.num_draft_tokens)
+        return Allocation(pages=[0] * n, draft_pages=[0] * n if self.draft_is_paged else [],
+                          ring=0 if self.spec.uses_ring else None, state_slot=0 if self.cfg.is_hybrid else None)
+
+    def check_fits_ever(self, prompt_len: int, max_tokens: int) -> None:
+        total = prompt_len + max_tokens
+        if total > self.eng.max_model_len:
+            raise CapacityError(
+                f"prompt of {prompt_len} tokens + max_tokens {max_tokens} = {total} exceeds max_model_len="
+                f"{self.eng.max_model_len}"
+            )
+        need = self.need(total)
+        if len(need.pages) > self.pages.capacity:
+            raise CapacityError(
+                f"request needs {len(need.pages)} KV pages of {self.eng.page_size} tokens; the pool has "
+                f"{self.pages.capacity}"
+            )
+
+    def can_admit(self, total_tokens: int) -> bool:
+        n = self.need(total_tokens)
+        return (
+            self.seq_slots.num_free >= 1
+            and self.pages.num_free >= len(n.pages)
+            and self.draft_pages.num_free >= len(n.draft_pages)
+            and (n.ring is None or self.rings.num_free >= 1)
+            and (n.state_slot is None or self.state_slots.num_free >= 1)
+        )
+
+    def admit(self, req_id: int, total_tokens: int) -> Allocation:
+        if not self.can_admit(total_tokens):
+            raise RuntimeError("admit() without can_admit()")
+        n = self.need(total_tokens)
+        alloc = Allocation(
+            pages=self.pages.allocate(len(n.pages)),
+            draft_pages=self.draft_pages.allocate(len(n.draft_pages)),
+            ring=self.rings.allocate(1)[0] if n.ring is not None else None,
+            state_slot=self.state_slots.allocate(1)[0] if n.state_slot is not None else None,
+        )
+        if alloc.state_slot is not None:
+            for layer in getattr(self, "_gdn_layers", []):
+                layer.conv_state[alloc.state_slot].zero_()
+                layer.ssm_state[alloc.state_slot].zero_()
+        self.held[req_id] = (alloc, self.seq_slots.allocate(1)[0])
+        return alloc
+
+    def release(self, req_id: int) -> None:
+        alloc, seq = self.held.pop(req_id)
+        self.pages.free(alloc.pages)
+        self.draft_pages.free(alloc.draft_pages)
+        if alloc.ring is not None:
+            self.rings.free([alloc.ring])
+        if alloc.state_slot is not None:
+            self.state_slots.free([alloc.state_slot])
+        self.seq_slots.free([seq])
+
+    def usage(self) -> dict[str, int]:
+        """Units in use per pool (0 everywhere when idle: the leak check)."""
+        return {
+            "pages": self.pages.capacity - self.pages.num_free,
+            "draft_pages": self.draft_pages.capacity - self.draft_pages.num_free,
+            "rings": self.rings.capacity - self.rings.num_free,
+            "state_slots": self.state_slots.capacity - self.state_slots.num_free,
+            "seqs": self.seq_slots.capacity - self.seq_slots.num_free,
+        }

@@ -1,0 +1,65 @@
+"""Acceptance and latency metrics (DESIGN §5, §6)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+
+def alphas_from_histogram(hist: list[int]) -> list[float]:
+    """α_j = Σ_{n≥j} H[n] / Σ_{n≥j−1} H[n], j = 1..γ (nan where the denominator is 0)."""
+    out = []
+    for j in range(1, len(hist)):
+        den = sum(hist[j - 1 :])
+        out.append(sum(hist[j:]) / den if den else float("nan"))
+    return out
+
+
+def acceptance_length(hist: list[int]) -> float:
+    """AL = mean emitted tokens per iteration = 1 + mean accepted drafts."""
+    n = sum(hist)
+    return 1.0 + sum(k * h for k, h in enumerate(hist)) / n if n else float("nan")
+
+
+@dataclass
+class RequestMetrics:
+    """Per request. ``hist[n]`` = iterations that accepted exactly n drafts (n = 0..γ)."""
+
+    gamma: int
+    arrival: float
+    hist: list[int] = field(default_factory=list)
+    t_iter: list[float] = field(default_factory=list)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    proposed: int = 0
+    accepted: int = 0
+    num_generated: int = 0
+
+    def __post_init__(self) -> None:
+        self.hist = [0] * (self.gamma + 1)
+
+    def record_iteration(self, accepted: int, seconds: float) -> None:
+        self.hist[accepted] += 1
+        self.t_iter.append(seconds)
+        self.proposed += self.gamma
+        self.accepted += accepted
+
+    def to_dict(self) -> dict:
+        it = sum(self.hist)
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival
+        tpot = None
+        if self.finish_time is not None and self.first_token_time is not None and self.num_generated > 1:
+            tpot = (self.finish_time - self.first_token_time) / (self.num_generated - 1)
+        return {
+            "iterations": it,
+            "acceptance_histogram": list(self.hist),
+            "acceptance_length": acceptance_length(self.hist),
+            "alpha": alphas_from_histogram(self.hist),
+            "t_iter": list(self.t_iter),
+            "t_iter_median": statistics.median(self.t_iter) if self.t_iter else None,
+            "ttft": ttft,
+            "tpot": tpot,
+            "proposed_draft_tokens": self.proposed,
+            "accepted_draft_tokens": self.accepted,
+            "generated_tokens": self.num_generated,
+        }
