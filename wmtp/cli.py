@@ -90,6 +90,80 @@ def score(a: argparse.Namespace) -> int:
 register("score", "perplexity of a text under the target model", _score_args, score)
 
 
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint directory")
+    src.add_argument("--preset", help="preset name (random weights; give --prompt as token ids)")
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="prompt text (or space-separated token ids without a tokenizer)")
+    text.add_argument("--prompt-file", help="file holding the prompt")
+    p.add_argument("--mode", choices=["dense", "native", "windowed"], default="windowed")
+    p.add_argument("--num-draft-tokens", "-d", type=int, default=4, help="d = γ + 1 verify tokens")
+    p.add_argument("--window", type=int, default=4032)
+    p.add_argument("--sink", type=int, default=64)
+    p.add_argument("--no-ring", action="store_true", help="keep the full-length draft pool in windowed mode")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: prompt + max_tokens")
+    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+
+
+def generate(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from wmtp.engine.config import EngineConfig, SpecConfig
+    from wmtp.engine.engine import Engine
+    from wmtp.engine.sampling import SamplingParams
+    import wmtp
+    from wmtp.tokenizer import TextTokenizer
+
+    prompt = Path(a.prompt_file).read_text() if a.prompt_file else a.prompt
+    tok = TextTokenizer.maybe_load(a.model)
+    if tok is not None:
+        ids = tok.encode(prompt)
+    else:
+        try:
+            ids = [int(x) for x in prompt.split()]
+        except ValueError:
+            raise WmtpError("this model has no tokenizer.json: give --prompt as space-separated token ids") from None
+    spec = SpecConfig(mode=a.mode, num_draft_tokens=a.num_draft_tokens if a.mode != "dense" else 1,
+                      window=a.window, sink=a.sink, ring=not a.no_ring)
+    params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, max_tokens=a.max_tokens,
+                            seed=a.seed, ignore_eos=a.ignore_eos)
+    model = wmtp.load_model(a.model or a.preset, device=a.device, dtype=a.dtype)
+    eng = Engine(model, spec, EngineConfig(max_model_len=a.max_model_len or len(ids) + a.max_tokens,
+                                           max_num_seqs=1, prefill_chunk=a.prefill_chunk))
+    rid = eng.add_request(ids, params)
+    req = eng.requests[rid]
+    bar = tqdm(total=len(ids), desc="prefill", unit="tok", disable=len(ids) < 4 * a.prefill_chunk)
+    while eng.has_unfinished():
+        eng.step()
+        bar.n = req.prefilled
+        bar.refresh()
+    bar.close()
+    out = req.tokens[len(ids):]
+    print(tok.decode(out) if tok else " ".join(map(str, out)))
+    m = req.metrics.to_dict()
+    mem = eng.memory.bytes_report()
+    draft = mem["draft_ring"] if spec.uses_ring else mem["draft_pool"]
+    tpot = f"{m['tpot'] * 1e3:.1f} ms" if m["tpot"] else "n/a"
+    print(f"[{a.mode}] {len(out)} tokens | AL {m['acceptance_length']:.2f} | TTFT {m['ttft'] * 1e3:.0f} ms | "
+          f"TPOT {tpot} | draft KV {draft / 2**20:.2f} MiB ({'ring' if spec.uses_ring else 'pool'}) | "
+          f"target KV {mem['target_kv'] / 2**20:.2f} MiB")
+    return 0
+
+
+register("generate", "generate text with dense / native / windowed MTP speculative decoding", _generate_args, generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wmtp", description="Windowed-MTP inference engine")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
