@@ -194,6 +194,8 @@ class MemoryManager:
     def admit(self, req_id: int, total_tokens: int) -> Allocation:
         if not self.can_admit(total_tokens):
             raise RuntimeError("admit() without can_admit()")
+        if req_id in self.held:
+            raise RuntimeError(f"request {req_id} is already admitted")
         n = self.need(total_tokens)
         alloc = Allocation(
             pages=self.pages.allocate(len(n.pages)),
