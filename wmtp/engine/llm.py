@@ -61,7 +61,7 @@ class LLM:
             if self.tokenizer is None:
                 raise WmtpError("text prompts need a tokenizer (tokenizer.json in the checkpoint); pass token ids")
             return self.tokenizer.encode(prompt)
-        return [int(t) if isinstance(t, (int, torch.Tensor)) and not isinstance(t, bool) else t for t in prompt]
+        return [int(t) if isinstance(t, torch.Tensor) else t for t in prompt]  # add_request validates
 
     def _output(self, rid: int) -> RequestOutput:
         req = self.engine.requests[rid]
@@ -83,7 +83,9 @@ class LLM:
             raise WmtpError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
         encoded = [self.encode(p) for p in prompts]
         for ids, p in zip(encoded, plist):  # validate all before admitting any
-            self.engine.memory.check_fits_ever(len(ids), p.max_tokens) if isinstance(p, SamplingParams) else None
+            if not isinstance(p, SamplingParams):
+                raise WmtpError(f"params must be SamplingParams, got {type(p).__name__}")
+            self.engine.memory.check_fits_ever(len(ids), p.max_tokens)
         rids = [self.engine.add_request(ids, p) for ids, p in zip(encoded, plist)]
         pending = set(rids)
         while pending:
