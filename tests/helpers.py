@@ -1,10 +1,13 @@
-"""Shared test utilities: tiny transformers reference models and random re-initialisation."""
+"""Shared test utilities: random re-initialisation, the chi-square harness and deliberately broken
+acceptance rules (so statistical tests can be shown to fail)."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
+from scipy.stats import chisquare
 
 
 @torch.no_grad()
@@ -40,3 +43,50 @@ def _plain_norm(name: str, model: torch.nn.Module) -> bool:
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
+
+
+def broken_accept_q_over_p(
+    d: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: torch.Generator | None
+) -> tuple[int, int]:
+    """WRONG on purpose: accepts with min(1, q/p) instead of min(1, p/q)."""
+    g = d.shape[0]
+    for i in range(g):
+        u = torch.rand((), generator=gen)
+        if not bool(u * p[i, d[i]] < q[i, d[i]]):
+            res = (p[i] - q[i]).clamp_min(0)
+            res = res if bool(res.sum() > 0) else p[i]
+            return i, int(torch.multinomial(res, 1, generator=gen))
+    return g, int(torch.multinomial(p[g], 1, generator=gen))
+
+
+def broken_accept_resample_p(
+    d: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: torch.Generator | None
+) -> tuple[int, int]:
+    """WRONG on purpose: on rejection resamples from p instead of normalize(max(p - q, 0))."""
+    g = d.shape[0]
+    for i in range(g):
+        u = torch.rand((), generator=gen)
+        if not bool(u * q[i, d[i]] < p[i, d[i]]):
+            return i, int(torch.multinomial(p[i], 1, generator=gen))
+    return g, int(torch.multinomial(p[g], 1, generator=gen))
+
+
+def chi2_pvalue(counts: np.ndarray, joint: np.ndarray) -> float:
+    """Chi-square goodness of fit; cells with expected count < 5 are pooled into one cell.
+
+    Draws in a zero-probability cell are an outright failure (p-value 0)."""
+    n = counts.sum()
+    expected = joint * n
+    if counts[expected == 0].sum() > 0:
+        return 0.0
+    support = expected > 0
+    small = support & (expected < 5)
+    big = support & ~small
+    f_obs = list(counts[big].astype(float))
+    f_exp = list(expected[big])
+    if small.any():
+        f_obs.append(float(counts[small].sum()))
+        f_exp.append(float(expected[small].sum()))
+    f_exp_arr = np.asarray(f_exp)
+    f_exp_arr *= n / f_exp_arr.sum()  # remove float drift so scipy's sum check passes
+    return float(chisquare(np.asarray(f_obs), f_exp_arr).pvalue)

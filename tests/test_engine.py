@@ -10,6 +10,7 @@ import torch
 
 from wmtp import LLM, SamplingParams, SpecConfig
 from wmtp.engine.engine import Engine
+from wmtp.engine.window import DraftWindow
 from wmtp.errors import WmtpError
 
 SINK, W = 4, 16  # small so the window really cuts: prompts run to 150 tokens
@@ -196,6 +197,76 @@ def test_ring_never_overwrites_a_live_window_slot():
     assert llm.spec.ring_size == SINK + W + 5
 
 
+def _draft_log(llm: LLM, ref: dict[tuple[int, ...], list[int]]) -> list[tuple[int, torch.Tensor]]:
+    """Oracle proposals (same RNG in every run, so every run has the same iterations) while logging
+    (context length, the draft's own logits) at each proposal."""
+    log, rng, engine = [], random.Random(0), llm.engine
+    original = engine._sample_draft
+
+    def sample_draft(req, logits, pos):
+        log.append((len(req.tokens), logits[0].clone()))
+        full = ref[tuple(req.prompt)]
+        return (full[pos] if pos < len(full) and rng.random() < 0.6 else 7), original(req, logits, pos)[1]
+
+    engine._sample_draft = sample_draft
+    return log
+
+
+def test_window_min_context_switches_the_draft_to_the_window(dense_reference):
+    """``window_min_context=N``: while the context is <= N the draft reads every key (its logits
+    equal native's); beyond N they equal the always-windowed draft's."""
+    N, prompt = 40, _prompts(1, seed=21)[0][:1] * 30
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    ref = dense_reference("tiny-llama", [prompt], 50)
+    logs = {}
+    for name, mode, min_ctx in [("native", "native", 0), ("windowed", "windowed", 0), ("switch", "windowed", N)]:
+        llm = LLM("tiny-llama", spec=SpecConfig(mode=mode, num_draft_tokens=4, window=W, sink=SINK, ring=False,
+                                                window_min_context=min_ctx), max_model_len=128, page_size=8)
+        logs[name] = _draft_log(llm, ref)
+        assert [prompt + llm.generate([prompt], params)[0].token_ids] == [ref[tuple(prompt)]]
+    assert [L for L, _ in logs["switch"]] == [L for L, _ in logs["native"]] == [L for L, _ in logs["windowed"]]
+    d = SpecConfig(num_draft_tokens=4).verify_tokens
+    early = late = cut = 0
+    for (L, sw), (_, nat), (_, win) in zip(logs["switch"], logs["native"], logs["windowed"]):
+        if L <= N - d:  # every forward behind this proposal ran below the threshold
+            assert torch.allclose(sw, nat, atol=1e-5), f"context {L} <= {N}: draft must read every key"
+            early += 1
+            cut += L > SINK + W + d and not torch.allclose(nat, win, atol=1e-5)
+        elif L > N + d:
+            assert torch.allclose(sw, win, atol=1e-5), f"context {L} > {N}: draft must use the window"
+            late += 1
+    assert early >= 5 and late >= 5 and cut >= 1, (early, late, cut)  # both regimes seen; the window really cuts
+
+
+def test_per_request_memory_bytes():
+    """Each request reports the bytes it reserved in each pool; the ring is sink + W + d draft slots."""
+    prompt, params = _prompts(1, seed=2)[0][:1] * 50, SamplingParams(max_tokens=10, ignore_eos=True)
+    got = {}
+    for mode, ring in [("native", True), ("windowed", True), ("windowed", False)]:
+        llm = _llm("tiny-qwen3-next", mode, d=4, ring=ring)
+        mem = llm.engine.memory
+        got[(mode, ring)] = b = llm.generate([prompt], params)[0].metrics["memory_bytes"]
+        pages = -(-(50 + 10 + 4) // 8)
+        assert b["target_kv"] == pages * mem.target_page_bytes
+        assert b["state_pool"] == mem.state_slot_bytes > 0
+        assert b["draft_ring"] == (mode == "windowed" and ring) * (SINK + W + 4) * mem.draft_slot_bytes
+        assert b["draft_pool"] == (not (mode == "windowed" and ring)) * pages * 8 * mem.draft_slot_bytes
+        assert all(v <= mem.bytes_report()[k] for k, v in b.items())
+    assert got[("windowed", True)]["draft_ring"] < got[("native", True)]["draft_pool"]
+
+
+def test_ever_read_runs_match_the_rule():
+    rng = random.Random(0)
+    for _ in range(2000):
+        win = DraftWindow(rng.randrange(0, 6), rng.randrange(1, 12))
+        n = rng.randrange(1, 40)
+        lo = rng.randrange(0, n)
+        hi = rng.randrange(lo, n + 1)
+        want = [p for p in range(lo, hi) if win.ever_read(p, n)]
+        got = [p for a, b in win.ever_read_runs(lo, hi, n) for p in range(a, b)]
+        assert got == want, (win, n, lo, hi)
+
+
 # ---- rollback --------------------------------------------------------------------------------
 @pytest.mark.parametrize("accepted", [0, 1, 3, 4])
 def test_gdn_rollback_equals_replay(accepted):
@@ -208,9 +279,8 @@ def test_gdn_rollback_equals_replay(accepted):
     a = eng.add_request(prompt, SamplingParams(max_tokens=8))
     b = eng.add_request(prompt, SamplingParams(max_tokens=8))
     ra, rb = eng.requests[a], eng.requests[b]
-    eng.waiting.clear()
+    eng._admit_waiting()  # pools and block tables only: the test drives the forwards itself
     for r in (ra, rb):
-        r.alloc = eng.memory.admit(r.id, len(prompt) + 8)
         with torch.no_grad():
             model(torch.tensor(prompt), eng._target_ctx([r], [0], [len(prompt)]))
     with torch.no_grad():  # a: verify all d tokens with recording, then roll back

@@ -18,8 +18,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy.stats import chisquare
 
+from tests.helpers import broken_accept_q_over_p, broken_accept_resample_p, chi2_pvalue
 from wmtp.errors import WmtpError
 from wmtp.engine.sampling import (
     SamplingParams,
@@ -265,32 +265,6 @@ V = 6
 N_DRAWS = 30_000
 
 
-def broken_accept_q_over_p(
-    d: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: torch.Generator | None
-) -> tuple[int, int]:
-    """WRONG on purpose: accepts with min(1, q/p) instead of min(1, p/q)."""
-    g = d.shape[0]
-    for i in range(g):
-        u = torch.rand((), generator=gen)
-        if not bool(u * p[i, d[i]] < q[i, d[i]]):
-            res = (p[i] - q[i]).clamp_min(0)
-            res = res if bool(res.sum() > 0) else p[i]
-            return i, int(torch.multinomial(res, 1, generator=gen))
-    return g, int(torch.multinomial(p[g], 1, generator=gen))
-
-
-def broken_accept_resample_p(
-    d: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: torch.Generator | None
-) -> tuple[int, int]:
-    """WRONG on purpose: on rejection resamples from p instead of normalize(max(p - q, 0))."""
-    g = d.shape[0]
-    for i in range(g):
-        u = torch.rand((), generator=gen)
-        if not bool(u * q[i, d[i]] < p[i, d[i]]):
-            return i, int(torch.multinomial(p[i], 1, generator=gen))
-    return g, int(torch.multinomial(p[g], 1, generator=gen))
-
-
 def _chain_tables(params: SamplingParams, seed: int = 1234) -> dict[str, torch.Tensor]:
     """Target tables p1[V], P2[t1] and P3[t1, t2]; draft tables q1[V], Q2[d1]; all filtered by params."""
     gen = torch.Generator().manual_seed(seed)
@@ -340,34 +314,13 @@ def _simulate(
     return counts, np.bincount(accepted, minlength=3)
 
 
-def _chi2_pvalue(counts: np.ndarray, joint: np.ndarray) -> float:
-    """Chi-square goodness of fit; cells with expected count < 5 are pooled into one cell.
-
-    Draws in a zero-probability cell are an outright failure (p-value 0)."""
-    n = counts.sum()
-    expected = joint * n
-    if counts[expected == 0].sum() > 0:
-        return 0.0
-    support = expected > 0
-    small = support & (expected < 5)
-    big = support & ~small
-    f_obs = list(counts[big].astype(float))
-    f_exp = list(expected[big])
-    if small.any():
-        f_obs.append(float(counts[small].sum()))
-        f_exp.append(float(expected[small].sum()))
-    f_exp_arr = np.asarray(f_exp)
-    f_exp_arr *= n / f_exp_arr.sum()  # remove float drift so scipy's sum check passes
-    return float(chisquare(np.asarray(f_obs), f_exp_arr).pvalue)
-
-
 def _run(accept: AcceptFn, params: SamplingParams, seed: int = 0) -> tuple[float, np.ndarray]:
     tab = _chain_tables(params)
     joint = (tab["p1"][:, None, None] * tab["p2"][:, :, None] * tab["p3"]).double().numpy().ravel()
     assert abs(joint.sum() - 1) < 1e-5
     joint /= joint.sum()
     counts, hist = _simulate(accept, tab, N_DRAWS, seed)
-    return _chi2_pvalue(counts, joint), hist
+    return chi2_pvalue(counts, joint), hist
 
 
 PARAM_CASES = [

@@ -112,6 +112,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--backend", default="auto", help="torch | triton | auto (triton on CUDA)")
 
 
 def generate(a: argparse.Namespace) -> int:
@@ -138,7 +139,10 @@ def generate(a: argparse.Namespace) -> int:
                       window=a.window, sink=a.sink, ring=not a.no_ring)
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, max_tokens=a.max_tokens,
                             seed=a.seed, ignore_eos=a.ignore_eos)
-    model = wmtp.load_model(a.model or a.preset, device=a.device, dtype=a.dtype)
+    from wmtp.models.backend import default_backend
+
+    backend = default_backend(a.device) if a.backend == "auto" else a.backend
+    model = wmtp.load_model(a.model or a.preset, device=a.device, dtype=a.dtype, backend=backend)
     eng = Engine(model, spec, EngineConfig(max_model_len=a.max_model_len or len(ids) + a.max_tokens,
                                            max_num_seqs=1, prefill_chunk=a.prefill_chunk))
     rid = eng.add_request(ids, params)
@@ -162,6 +166,21 @@ def generate(a: argparse.Namespace) -> int:
 
 
 register("generate", "generate text with dense / native / windowed MTP speculative decoding", _generate_args, generate)
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from wmtp.bench.step import add_args
+
+    add_args(p)
+
+
+def bench(a: argparse.Namespace) -> int:
+    from wmtp.bench.step import run
+
+    return run(a)
+
+
+register("bench", "GPU benchmarks: decode-step cost per mode (synthetic context), TTFT", _bench_args, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

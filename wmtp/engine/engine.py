@@ -33,7 +33,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: requests are compared and looked up by object, never by value
 class Request:
     id: int
     prompt: list[int]
@@ -43,6 +43,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     alloc: Allocation | None = None
+    page_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None  # device block-table rows (target, draft)
     prefilled: int = 0  # prompt positions the target has processed
     pending_hidden: torch.Tensor | None = None  # h of the last prefilled position (draft lags by one)
     draft_token: int | None = None  # d_1
@@ -116,7 +117,7 @@ class Engine:
             self.running.remove(req)
         if req.alloc is not None:
             self.memory.release(req.id)
-            req.alloc = None
+            req.alloc = req.page_rows = None
         req.status, req.finish_reason = Status.FINISHED, reason
         req.metrics.finish_time = time.perf_counter()
         req.pending_hidden = req.draft_hidden = req.draft_q = None
@@ -126,16 +127,11 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Admit what fits, run one prefill chunk per prefilling request, one iteration for all
         decoding requests; return what each request emitted."""
-        while self.waiting and self.memory.can_admit(len(self.waiting[0].prompt) + self.waiting[0].params.max_tokens):
-            req = self.waiting.popleft()
-            req.alloc = self.memory.admit(req.id, len(req.prompt) + req.params.max_tokens)
-            req.status = Status.PREFILL
-            self.running.append(req)
-        touched = []
-        for req in [r for r in self.running if r.status == Status.PREFILL]:
-            self._prefill_chunk(req)
-            touched.append(req)
-        decoding = [r for r in self.running if r.status == Status.DECODE and r not in touched]
+        self._admit_waiting()
+        prefilling = [r for r in self.running if r.status == Status.PREFILL]
+        touched = self._prefill_batch(prefilling) if prefilling else []
+        seen = {id(r) for r in touched}
+        decoding = [r for r in self.running if r.status == Status.DECODE and id(r) not in seen]
         if decoding:
             self._iteration(decoding)
             touched += decoding
@@ -146,9 +142,22 @@ class Engine:
                 req.new_tokens = []
         return outs
 
+    def _admit_waiting(self) -> None:
+        """Admit waiting requests in arrival order while the pools can hold their worst case."""
+        while self.waiting and self.memory.can_admit(len(self.waiting[0].prompt) + self.waiting[0].params.max_tokens):
+            req = self.waiting.popleft()
+            req.alloc = self.memory.admit(req.id, len(req.prompt) + req.params.max_tokens)
+            req.metrics.memory_bytes = self.memory.allocation_bytes(req.alloc)
+            # Pages are reserved for the worst case up front, so each request's block-table row is
+            # built once here: no per-iteration host work that grows with the context.
+            draft = torch.tensor(req.alloc.draft_pages, device=self.device) if req.alloc.draft_pages else None
+            req.page_rows = (torch.tensor(req.alloc.pages, device=self.device), draft)
+            req.status = Status.PREFILL
+            self.running.append(req)
+
     # ---- contexts ------------------------------------------------------------------------------
     def _target_ctx(self, reqs: list[Request], starts: list[int], lens: list[int], record: bool = False) -> ForwardContext:
-        table = _block_table([r.alloc.pages for r in reqs], self.device)
+        table = _block_table([r.page_rows[0] for r in reqs])
         slots = [r.alloc.state_slot for r in reqs]
         states = torch.tensor(slots, device=self.device) if slots[0] is not None else None
         return ForwardContext(starts, lens, PagedSlots(table, self.eng.page_size), states,
@@ -159,53 +168,89 @@ class Engine:
             base = torch.tensor([self._ring_base(r) for r in reqs], device=self.device)
             slots = RingSlots(base, self.spec.draft_window, self.spec.num_draft_tokens)
         else:
-            slots = PagedSlots(_block_table([r.alloc.draft_pages for r in reqs], self.device), self.eng.page_size)
+            slots = PagedSlots(_block_table([r.page_rows[1] for r in reqs]), self.eng.page_size)
         return ForwardContext(starts, lens, slots, device=self.device, windows=windows)
 
     def _ring_base(self, req: Request) -> int:
         return req.alloc.ring * self.spec.ring_size
 
     # ---- prefill -------------------------------------------------------------------------------
-    def _prefill_chunk(self, req: Request) -> None:
-        n, s = len(req.prompt), req.prefilled
-        e = min(n, s + self.eng.prefill_chunk)
-        ids = torch.tensor(req.prompt[s:e], device=self.device)
-        hidden = self.model(ids, self._target_ctx([req], [s], [e - s]))
-        req.prefilled = e
+    def _prefill_batch(self, reqs: list[Request]) -> list[Request]:
+        """One target forward over the next prompt chunk of as many prefilling requests as fit in
+        ``prefill_chunk`` tokens (activations stay bounded by it); returns the requests touched."""
+        budget, chunks = self.eng.prefill_chunk, []
+        for req in reqs:
+            if budget == 0:
+                break
+            s = req.prefilled
+            e = min(len(req.prompt), s + budget)
+            chunks.append((req, s, e))
+            budget -= e - s
+        batch = [c[0] for c in chunks]
+        ids = torch.tensor([t for r, s, e in chunks for t in r.prompt[s:e]], device=self.device)
+        hidden = self.model(ids, self._target_ctx(batch, [s for _, s, _ in chunks], [e - s for _, s, e in chunks]))
+        parts = hidden.split([e - s for _, s, e in chunks])
         if self.spec.speculative:
-            self._draft_prefill_chunk(req, s, e, hidden)
-        if e < n:
-            return
-        first = self._sample_target(req, self.model.compute_logits(hidden[-1:]))[0]
-        req.metrics.first_token_time = time.perf_counter()
-        if self._emit(req, [first]) and self.spec.speculative:
-            # draft slot n-1 = (embed(x_n), h_{n-1}) -> d_1
-            out = self._draft_forward(req, [first], req.pending_hidden, n - 1)
-            self._set_draft(req, out)
-        req.pending_hidden = None
-        if req.status != Status.FINISHED:
-            req.status = Status.DECODE
+            self._draft_prefill(chunks, parts)
+        for (req, _, e), h in zip(chunks, parts):
+            req.prefilled = e
+            if not self.spec.speculative:
+                req.pending_hidden = h[-1:]
+        self._first_tokens([r for r in batch if r.prefilled == len(r.prompt)])
+        return batch
 
-    def _draft_prefill_chunk(self, req: Request, s: int, e: int, hidden: torch.Tensor) -> None:
-        """Draft slots whose next token is in the prompt: [s-1, e-1) (h_{s-1} held from the last chunk)."""
-        n = len(req.prompt)
-        lo = max(s - 1, 0)
-        hid = hidden[: e - 1 - s] if s == 0 else torch.cat([req.pending_hidden, hidden[: e - 1 - s]])
-        req.pending_hidden = hidden[-1:]
-        hi = e - 1  # exclusive
-        if hi <= lo:
+    def _first_tokens(self, reqs: list[Request]) -> None:
+        """Sample x_n for requests whose prefill is complete; then draft slot n-1 = (embed(x_n),
+        h_{n-1}) gives d_1, batched over them."""
+        if not reqs:
             return
-        ids = torch.tensor(req.prompt[lo + 1 : hi + 1], device=self.device)
-        window = self.spec.window_for(n)
-        if window is None:
-            ctx = self._draft_ctx([req], [lo], [hi - lo], [None])
-            self.model.mtp_forward(ids, hid, ctx)
-            return
-        # Sparsified (DESIGN §4): only slots some future query can read get K/V; no attention here.
-        keep = torch.tensor([window.ever_read(p, n) for p in range(lo, hi)], device=self.device)
-        for a, b in _runs(keep.tolist()):
-            ctx = self._draft_ctx([req], [lo + a], [b - a], [window])
-            self.model.mtp_write_kv(ids[a:b], hid[a:b], ctx)
+        logits = self.model.compute_logits(torch.cat([r.pending_hidden for r in reqs]))
+        live = []
+        for b, req in enumerate(reqs):
+            first = self._sample_target(req, logits[b : b + 1])[0]
+            req.metrics.first_token_time = time.perf_counter()
+            if self._emit(req, [first]):
+                req.status = Status.DECODE
+                live.append(req)
+        if live and self.spec.speculative:
+            ctx = self._draft_ctx(live, [len(r.prompt) - 1 for r in live], [1] * len(live),
+                                  [self.spec.window_for(len(r.tokens)) for r in live])
+            ids = torch.tensor([r.tokens[-1] for r in live], device=self.device)
+            out = self.model.mtp_forward(ids, torch.cat([r.pending_hidden for r in live]), ctx)
+            for b, req in enumerate(live):
+                self._set_draft(req, out[b : b + 1])
+        for req in reqs:
+            req.pending_hidden = None
+
+    def _draft_prefill(self, chunks: list[tuple[Request, int, int]], parts: tuple[torch.Tensor, ...]) -> None:
+        """Draft slots whose next token is in the prompt: [s-1, e-1) per chunk (h_{s-1} is held from
+        the previous chunk, so the draft lags the target by one position). Full-attention requests
+        run the MTP forward (one batched call); windowed ones are sparsified (DESIGN §4): only slots
+        some future query can read get K/V, and no attention runs here."""
+        full, sparse = [], []
+        for (req, s, e), h in zip(chunks, parts):
+            lo, hi = max(s - 1, 0), e - 1
+            hid = h[: e - 1 - s] if s == 0 else torch.cat([req.pending_hidden, h[: e - 1 - s]])
+            req.pending_hidden = h[-1:]
+            if hi <= lo:
+                continue
+            window = self.spec.window_for(len(req.prompt))
+            if window is None:
+                full.append((req, lo, hi, hid))
+            else:
+                sparse += [(req, a, b, hid[a - lo : b - lo]) for a, b in window.ever_read_runs(lo, hi, len(req.prompt))]
+        for segs, write_only in ((full, False), (sparse, True)):
+            if not segs:
+                continue
+            reqs = [r for r, *_ in segs]
+            ids = torch.tensor([t for r, a, b, _ in segs for t in r.prompt[a + 1 : b + 1]], device=self.device)
+            hid = torch.cat([h for *_, h in segs])
+            ctx = self._draft_ctx(reqs, [a for _, a, _, _ in segs], [b - a for _, a, b, _ in segs],
+                                  [self.spec.window_for(len(r.prompt)) for r in reqs])
+            if write_only:
+                self.model.mtp_write_kv(ids, hid, ctx)
+            else:
+                self.model.mtp_forward(ids, hid, ctx)
 
     # ---- one speculative iteration for a batch -------------------------------------------------
     def _iteration(self, reqs: list[Request]) -> None:
@@ -278,10 +323,6 @@ class Engine:
             self._set_draft(r, last[b : b + 1])
 
     # ---- draft helpers -------------------------------------------------------------------------
-    def _draft_forward(self, req: Request, ids: list[int], hidden: torch.Tensor, start: int) -> torch.Tensor:
-        ctx = self._draft_ctx([req], [start], [len(ids)], [self.spec.window_for(len(req.tokens))])
-        return self.model.mtp_forward(torch.tensor(ids, device=self.device), hidden, ctx)[-1:]
-
     def _set_draft(self, req: Request, mtp_out: torch.Tensor) -> None:
         req.draft_hidden = mtp_out
         req.draft_token, req.draft_q = self._sample_draft(req, self.model.compute_logits(mtp_out), len(req.tokens))
@@ -317,18 +358,8 @@ class Engine:
         return True
 
 
-def _block_table(pages: list[list[int]], device) -> torch.Tensor:
-    width = max(len(p) for p in pages)
-    return torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.long, device=device)
-
-
-def _runs(mask: list[bool]) -> list[tuple[int, int]]:
-    """Maximal [start, end) runs of True."""
-    out, start = [], None
-    for i, m in enumerate(mask + [False]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
+def _block_table(rows: list[torch.Tensor]) -> torch.Tensor:
+    """[B, max_pages] from the requests' cached rows (zero-padded; padding is never addressed)."""
+    if len(rows) == 1:
+        return rows[0][None]
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)

@@ -30,7 +30,10 @@ class RequestOutput:
 
 
 class LLM:
-    """``LLM(model_path_or_preset, spec=SpecConfig(...), device=..., dtype=..., max_model_len=...)``."""
+    """``LLM(model_path_or_preset, spec=SpecConfig(...), device=..., dtype=..., max_model_len=...)``.
+
+    ``backend="auto"`` picks the Triton kernels on a CUDA device (when triton is installed) and the
+    PyTorch reference otherwise."""
 
     def __init__(
         self,
@@ -45,10 +48,13 @@ class LLM:
         kv_memory_bytes: int | None = None,
         prefill_chunk: int = 512,
         seed: int = 0,
+        backend: str = "auto",
     ) -> None:
         import wmtp
+        from wmtp.models.backend import default_backend
 
-        self.model = wmtp.load_model(model, device=device, dtype=dtype, seed=seed)
+        backend = default_backend(device) if backend == "auto" else backend
+        self.model = wmtp.load_model(model, device=device, dtype=dtype, seed=seed, backend=backend)
         self.tokenizer = TextTokenizer.maybe_load(model) if Path(model).is_dir() else None
         eng = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size,
                            num_kv_pages=num_kv_pages, kv_memory_bytes=kv_memory_bytes, prefill_chunk=prefill_chunk)

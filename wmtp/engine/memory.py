@@ -140,6 +140,15 @@ class MemoryManager:
             "state_pool": z.num_state_slots * self.state_slot_bytes,
         }
 
+    def allocation_bytes(self, alloc: Allocation) -> dict[str, int]:
+        """Bytes one request holds in each pool (its per-request memory metrics)."""
+        return {
+            "target_kv": len(alloc.pages) * self.target_page_bytes,
+            "draft_pool": len(alloc.draft_pages) * self.eng.page_size * self.draft_slot_bytes,
+            "draft_ring": (alloc.ring is not None) * self.spec.ring_size * self.draft_slot_bytes,
+            "state_pool": (alloc.state_slot is not None) * self.state_slot_bytes,
+        }
+
     # ---- tensors -----------------------------------------------------------------------------
     def bind(self, model: torch.nn.Module, device: torch.device | str) -> None:
         """Allocate the pool tensors and attach per-layer views to the model's layers."""

@@ -34,6 +34,7 @@ class RequestMetrics:
     proposed: int = 0
     accepted: int = 0
     num_generated: int = 0
+    memory_bytes: dict[str, int] = field(default_factory=dict)  # per pool, reserved at admission
 
     def __post_init__(self) -> None:
         self.hist = [0] * (self.gamma + 1)
@@ -62,4 +63,5 @@ class RequestMetrics:
             "proposed_draft_tokens": self.proposed,
             "accepted_draft_tokens": self.accepted,
             "generated_tokens": self.num_generated,
+            "memory_bytes": dict(self.memory_bytes),
         }

@@ -56,6 +56,12 @@ class DraftWindow:
         """Can the draft slot at ``pos`` still be read once the context has ``context_len`` tokens?"""
         return pos < self.sink or pos > context_len - 1 - self.window
 
+    def ever_read_runs(self, lo: int, hi: int, context_len: int) -> list[tuple[int, int]]:
+        """The positions of [lo, hi) that ``ever_read`` keeps, as at most two [start, end) runs
+        (the sink, then the tail of the last W): O(1), no per-position list."""
+        runs = [(lo, min(hi, self.sink)), (max(lo, self.sink, context_len - self.window), hi)]
+        return [(a, b) for a, b in runs if a < b]
+
 
 def causal_key_positions(q_last: int) -> torch.Tensor:
     """Key positions for full causal attention (target and native draft)."""

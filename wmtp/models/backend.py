@@ -94,6 +94,17 @@ def get_backend(name: str = "torch") -> Backend:
     return _REGISTRY[name]()
 
 
+def default_backend(device: str | torch.device) -> str:
+    """``triton`` on CUDA devices when triton is importable, else the ``torch`` reference."""
+    if torch.device(device).type != "cuda":
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "triton"
+
+
 @register_backend("torch")
 class TorchBackend(Backend):
     """Reference implementations (the twins every kernel is tested against)."""
@@ -191,3 +202,22 @@ def _per_token_states(q, k, v, g, beta, state):
         outs.append(o)
         states.append(state)
     return torch.cat(outs), torch.stack(states)
+
+
+@register_backend("triton")
+class TritonBackend(TorchBackend):
+    """Attention through the Triton paged / ring / windowed kernel (``wmtp.kernels.paged_attention``);
+    every other op is still the reference's. fp64 (exactness tests) stays on the reference."""
+
+    def attention(self, q, k, v, k_cache, v_cache, ctx, scale):
+        if q.dtype == torch.float64:
+            return super().attention(q, k, v, k_cache, v_cache, ctx, scale)
+        from wmtp.kernels.paged_attention import AttentionMeta, paged_attention
+
+        write = ctx.write_slots
+        k_cache[write] = k.to(k_cache.dtype)
+        v_cache[write] = v.to(v_cache.dtype)
+        meta = ctx.backend_cache.get("attention_meta")
+        if meta is None:  # built once per forward, shared by every attention layer
+            meta = ctx.backend_cache["attention_meta"] = AttentionMeta.from_context(ctx, q.device)
+        return paged_attention(q, k_cache, v_cache, meta, scale)

@@ -64,6 +64,8 @@ class ForwardContext:
     # after every token [n, HV, Dk, Dv]) so the engine can roll back to any accepted prefix.
     record_states: bool = False
     recorded: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    # Per-forward data a backend derives once and every layer reuses (e.g. kernel metadata).
+    backend_cache: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.q_starts) != len(self.q_lens):

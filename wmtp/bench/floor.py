@@ -1,0 +1,131 @@
+"""The bytes floor of one speculative iteration (DESIGN §6) and the bandwidth it is divided by.
+
+Floor = bytes every kernel must read at least / HBM bandwidth measured on the same GPU in the same
+run. Counted per iteration (γ = d − 1):
+- verify (one target forward of d tokens): every dense target weight, the experts the d tokens
+  actually route to (distinct, per layer, measured), the lm_head once, the target KV of S tokens,
+  the recurrent states;
+- draft (γ MTP forwards: γ − 1 steps + the extend): each reads the MTP layer's dense weights, its
+  routed experts (measured), the lm_head, and the draft KV it attends to: S slots (native) or
+  sink + W (windowed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from wmtp.engine.config import SpecConfig
+from wmtp.models.model import CausalLM
+
+
+@dataclass
+class StepBytes:
+    target_dense: int
+    target_experts: int
+    target_kv: int
+    states: int
+    lm_head: int
+    draft_dense: int
+    draft_experts: int
+    draft_kv: int
+
+    @property
+    def total(self) -> int:
+        return sum(asdict(self).values())
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def _nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _expert_bytes(moe: torch.nn.Module) -> int:
+    e = moe.experts
+    return (e.gate_up_proj[0].numel() + e.down_proj[0].numel()) * e.gate_up_proj.element_size()
+
+
+def _split(module: torch.nn.Module) -> tuple[int, list[torch.nn.Module]]:
+    """(bytes of non-routed-expert weights, the module's MoE blocks)."""
+    moes = [m for m in module.modules() if hasattr(m, "experts") and hasattr(m.experts, "gate_up_proj")]
+    expert_params = {id(p) for m in moes for p in m.experts.parameters()}
+    dense = _nbytes(p for p in module.parameters() if id(p) not in expert_params)
+    return dense, moes
+
+
+def step_bytes(model: CausalLM, spec: SpecConfig, context: int, distinct: dict[int, float], elt: int) -> StepBytes:
+    """``distinct``: mean distinct experts per forward, keyed by ``id`` of each MoE block."""
+    cfg = model.config
+    body = model.model
+    emb = body.embed_tokens.weight
+    target_dense, target_moes = _split(body)
+    target_dense -= emb.numel() * emb.element_size()  # only the looked-up rows are read
+    lm = model.lm_head.weight if model.lm_head is not None else emb
+    lm_bytes = lm.numel() * lm.element_size()
+    gamma = spec.gamma
+    target_experts = int(sum(distinct.get(id(m), 0) * _expert_bytes(m) for m in target_moes))
+    states = sum(l.conv_state[0].numel() * l.conv_state.element_size() + l.ssm_state[0].numel() * l.ssm_state.element_size()
+                 for l in model.gdn_layers())
+    draft_dense = draft_experts = draft_kv = 0
+    if gamma and model.mtp is not None:
+        mtp_dense, mtp_moes = _split(model.mtp)
+        draft_dense = gamma * mtp_dense
+        draft_experts = int(gamma * sum(distinct.get(id(m), 0) * _expert_bytes(m) for m in mtp_moes))
+        win = spec.window_for(context)
+        keys = context if win is None else min(context, win.sink + win.window)
+        draft_kv = gamma * keys * cfg.draft_kv_bytes_per_token(elt) * max(cfg.num_nextn_predict_layers, 1)
+    return StepBytes(
+        target_dense=target_dense, target_experts=target_experts,
+        target_kv=context * cfg.target_kv_bytes_per_token(elt), states=states,
+        lm_head=(1 + gamma) * lm_bytes, draft_dense=draft_dense, draft_experts=draft_experts, draft_kv=draft_kv,
+    )
+
+
+def measure_bandwidth(device: torch.device, gib: float = 4.0, reps: int = 20) -> dict[str, float]:
+    """Device-to-device copy of ``gib`` GiB: bytes read + written per second (median of ``reps``)."""
+    n = int(gib * 2**30)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    t = sorted(times[3:])[len(times[3:]) // 2]
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"copy_bytes_per_s": 2 * n / t, "copy_gib": gib}
+
+
+class ExpertCounter:
+    """Wraps ``model.backend.moe`` to count distinct routed experts per call, per MoE block.
+    Adds a host sync per call: use it on untimed iterations only."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+        self.by_router = {m.gate.weight.data_ptr(): m for m in model.modules()
+                          if hasattr(m, "experts") and hasattr(m, "gate")}
+        self.counts: dict[int, list[int]] = {}
+        self._orig = model.backend.moe
+
+    def __enter__(self) -> "ExpertCounter":
+        def moe(x, router_weight, gate_up, down, top_k, norm_topk_prob):
+            top = torch.topk(torch.nn.functional.linear(x, router_weight).float(), top_k, dim=-1).indices
+            block = self.by_router[router_weight.data_ptr()]
+            self.counts.setdefault(id(block), []).append(int(torch.unique(top).numel()))
+            return self._orig(x, router_weight, gate_up, down, top_k, norm_topk_prob)
+
+        self.model.backend.moe = moe
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.model.backend.moe  # back to the class method
+
+    def mean_distinct(self) -> dict[int, float]:
+        return {k: sum(v) / len(v) for k, v in self.counts.items()}

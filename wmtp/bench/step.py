@@ -1,0 +1,267 @@
+"""``wmtp bench step`` and ``wmtp bench ttft``: decode-step cost per mode at long context on one GPU.
+
+``step``: SYNTHETIC context (random KV / states, no prefill) and FORCED acceptance, so a
+random-weight model gives T_iter at any S and AL. Per mode: T_iter (median of N iterations, p10,
+p90), its bytes floor over the copy bandwidth measured in the same run, T_iter / floor, and
+native / windowed; a kernel micro-benchmark (the paged decode kernel vs SDPA on contiguous KV of
+the same key count; the draft attention per forward, windowed vs native); and admission: how many
+requests of S tokens each mode's pools really admit, then one step with all of them.
+
+``ttft``: a REAL chunked prefill of an N-token prompt (random token ids), TTFT native vs windowed
+(whose draft prefill is sparsified, DESIGN §4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from wmtp.engine.config import EngineConfig, SpecConfig
+from wmtp.engine.engine import Engine
+
+
+def _spec(mode: str, d: int, window: int, sink: int) -> SpecConfig:
+    return SpecConfig(mode=mode, num_draft_tokens=d if mode != "dense" else 1, window=window, sink=sink)
+
+
+def release_pools(model) -> None:
+    """Drop the pool tensors bound to the model's layers so the next engine can allocate its own."""
+    for layer in model.attention_layers() + model.mtp_attention_layers() + model.gdn_layers():
+        for name in ("k_cache", "v_cache", "conv_state", "ssm_state"):
+            if hasattr(layer, name):
+                setattr(layer, name, None)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _sync_time(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def time_mode(model, mode: str, a: argparse.Namespace, bandwidth: float) -> dict:
+    from wmtp.bench.floor import ExpertCounter, step_bytes
+    from wmtp.bench.synthetic import add_synthetic_request, force_acceptance, randomize_pools
+
+    spec = _spec(mode, a.d, a.window, a.sink)
+    total_iters = a.warmup + a.iters + 4
+    max_tokens = total_iters * spec.verify_tokens + 8
+    eng = Engine(model, spec, EngineConfig(max_model_len=a.context + max_tokens, max_num_seqs=1, page_size=a.page_size))
+    randomize_pools(eng)
+    add_synthetic_request(eng, a.context, max_tokens)
+    k = min(a.accept, spec.gamma)
+    force_acceptance(eng, k)
+    with ExpertCounter(model) as counter:
+        for _ in range(3):
+            eng.step()
+    times = [_sync_time(eng.step) for _ in range(a.warmup + a.iters)][a.warmup:]
+    elt = torch.empty(0, dtype=eng.dtype).element_size()
+    sb = step_bytes(model, spec, a.context, counter.mean_distinct(), elt)
+    floor = sb.total / bandwidth
+    med = statistics.median(times)
+    q = statistics.quantiles(times, n=10)
+    mem = eng.memory.bytes_report()
+    eng_mem = {k: v for k, v in mem.items()}
+    del eng
+    release_pools(model)
+    row = {
+        "mode": mode, "S": a.context, "d": spec.verify_tokens, "B": 1, "forced_accept": k,
+        "t_iter_s": [med], "t_iter_p10_s": [q[0]], "t_iter_p90_s": [q[-1]], "iterations": len(times),
+        "floor_s": floor, "floor_bytes": sb.total, "bytes": sb.to_dict(), "t_iter_over_floor": med / floor,
+        "pool_bytes": eng_mem,
+    }
+    print(f"[{mode:8s}] T_iter median {med * 1e3:8.2f} ms (p10 {q[0] * 1e3:.2f}, p90 {q[-1] * 1e3:.2f}, n={len(times)}) "
+          f"| floor {floor * 1e3:.2f} ms ({sb.total / 2**30:.2f} GiB) | T_iter/floor {med / floor:.2f}", flush=True)
+    return row
+
+
+def kernel_bench(a: argparse.Namespace, device: torch.device) -> dict:
+    """The paged decode kernel vs SDPA on contiguous KV (same keys), and the draft's attention per
+    forward at S: windowed (ring) vs native (paged over S keys). bf16, 35B head shape."""
+    import triton.testing
+
+    def bench(fn) -> float:
+        """GPU time (ms) of ``fn`` replayed from a CUDA graph, so Python launch overhead is excluded
+        (the engine's draft steps are meant to run from graphs too)."""
+        fn()
+        return triton.testing.do_bench_cudagraph(fn)
+
+    from wmtp.engine.window import DraftWindow
+    from wmtp.kernels.paged_attention import AttentionMeta, paged_attention
+    from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
+
+    H, KV, D, S, page = a.heads, a.kv_heads, a.head_dim, a.context, a.page_size
+    dt = torch.bfloat16
+    n_pages = -(-S // page)
+    k_cache = torch.randn(n_pages * page, KV, D, device=device, dtype=dt)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(n_pages, device=device)[None]
+    out = {}
+    for q_len in (1, a.d):
+        q = torch.randn(q_len, H, D, device=device, dtype=dt)
+        ctx = ForwardContext([S - q_len], [q_len], PagedSlots(table, page), device=device)
+        meta = AttentionMeta.from_context(ctx, device)
+        out[f"paged_q{q_len}_ms"] = bench(lambda: paged_attention(q, k_cache, v_cache, meta, D**-0.5))
+    # SDPA over the same S keys held contiguously (decode: one query sees all keys)
+    kc = k_cache[: S].view(1, S, KV, D).transpose(1, 2)
+    vc = v_cache[: S].view(1, S, KV, D).transpose(1, 2)
+    q1 = torch.randn(1, H, 1, D, device=device, dtype=dt)
+    out["sdpa_contiguous_q1_ms"] = bench(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q1, kc, vc, enable_gqa=True))
+    out["paged_over_sdpa_speed"] = out["sdpa_contiguous_q1_ms"] / out["paged_q1_ms"]
+    # the draft's attention per forward (one query): native reads S keys, windowed sink + W
+    win = DraftWindow(a.sink, a.window)
+    ring_k = torch.randn(win.ring_size(a.d), KV, D, device=device, dtype=dt)
+    ring_v = torch.randn_like(ring_k)
+    q = torch.randn(1, H, D, device=device, dtype=dt)
+    ctx = ForwardContext([S - 1], [1], RingSlots(torch.zeros(1, dtype=torch.long, device=device), win, a.d),
+                         windows=[win], device=device)
+    meta = AttentionMeta.from_context(ctx, device)
+    out["draft_attn_windowed_ms"] = bench(lambda: paged_attention(q, ring_k, ring_v, meta, D**-0.5))
+    out["draft_attn_native_ms"] = out["paged_q1_ms"]
+    out["draft_attn_windowed_over_native"] = out["draft_attn_windowed_ms"] / out["draft_attn_native_ms"]
+    del k_cache, v_cache, kc, vc
+    torch.cuda.empty_cache()
+    print("kernels:", json.dumps({k: round(v, 4) for k, v in out.items()}), flush=True)
+    return out
+
+
+def admission(model, mode: str, a: argparse.Namespace) -> dict:
+    """Size the pools from the free memory, admit synthetic S-token requests until one does not
+    fit, then run one step with all of them."""
+    from wmtp.bench.synthetic import add_synthetic_request, randomize_pools
+
+    spec = _spec(mode, a.d, a.window, a.sink)
+    free, _ = torch.cuda.mem_get_info()
+    budget = free - int(a.reserve_gib * 2**30)
+    eng = Engine(model, spec, EngineConfig(max_model_len=a.context + 64, max_num_seqs=16, page_size=a.page_size,
+                                           kv_memory_bytes=budget))
+    randomize_pools(eng)
+    n = 0
+    try:
+        while n < 16:
+            add_synthetic_request(eng, a.context, 32, seed=n)
+            n += 1
+    except MemoryError:
+        pass
+    t = _sync_time(eng.step) if n else float("nan")
+    mem = eng.memory.bytes_report()
+    per_req = next(iter(eng.requests.values())).metrics.memory_bytes if n else {}
+    del eng
+    release_pools(model)
+    print(f"[{mode:8s}] admitted {n} requests of {a.context} tokens in {budget / 2**30:.1f} GiB; one step {t * 1e3:.1f} ms",
+          flush=True)
+    return {"mode": mode, "S": a.context, "d": spec.verify_tokens, "max_admitted": n, "kv_budget_bytes": budget,
+            "pools": mem, "per_request_bytes": per_req, "step_s": t}
+
+
+def _meta(a: argparse.Namespace, synthetic: bool) -> dict:
+    return {
+        "hardware": torch.cuda.get_device_name(), "model": a.preset, "dtype": "bfloat16", "synthetic": synthetic,
+        "runs": 1, "command": "wmtp " + " ".join(sys.argv[1:]), "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+    }
+
+
+def run_step(a: argparse.Namespace) -> int:
+    import wmtp
+    from wmtp.bench.floor import measure_bandwidth
+
+    device = torch.device("cuda")
+    bw = measure_bandwidth(device)
+    print(f"copy bandwidth {bw['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write)", flush=True)
+    model = wmtp.load_model(a.preset, device="cuda", dtype="bfloat16", backend=a.backend)
+    modes = [m for m in a.modes.split(",") if m]
+    rows = [time_mode(model, m, a, bw["copy_bytes_per_s"]) for m in modes]
+    by = {r["mode"]: r for r in rows}
+    summary = {}
+    if "native" in by and "windowed" in by:
+        summary["native_over_windowed"] = by["native"]["t_iter_s"][0] / by["windowed"]["t_iter_s"][0]
+        print(f"native / windowed T_iter = {summary['native_over_windowed']:.3f}", flush=True)
+    result = {"kind": "step" if rows else "kernels", "schema": 1, "meta": {**_meta(a, True), "bandwidth": bw, "backend": a.backend,
+                                                     "forced_accept": a.accept}, "rows": rows, "summary": summary}
+    if a.kernels:
+        result["kernels"] = kernel_bench(a, device)
+    if a.admission:
+        result["admission"] = [admission(model, m, a) for m in modes]
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {a.out}")
+    return 0
+
+
+def run_ttft(a: argparse.Namespace) -> int:
+    import wmtp
+    from wmtp.engine.sampling import SamplingParams
+
+    model = wmtp.load_model(a.preset, device="cuda", dtype="bfloat16", backend=a.backend)
+    prompt = torch.randint(1, model.config.vocab_size, (a.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = []
+    for mode in a.modes.split(","):
+        spec = _spec(mode, a.d, a.window, a.sink)
+        eng = Engine(model, spec, EngineConfig(max_model_len=a.tokens + 16, max_num_seqs=1, page_size=a.page_size,
+                                               prefill_chunk=a.chunk))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rid = eng.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        while eng.requests[rid].metrics.first_token_time is None:
+            eng.step()
+        torch.cuda.synchronize()
+        ttft = time.perf_counter() - t0
+        del eng
+        release_pools(model)
+        rows.append({"mode": mode, "tokens": a.tokens, "chunk": a.chunk, "ttft_s": ttft})
+        print(f"[{mode:8s}] TTFT of a {a.tokens}-token prompt: {ttft:.2f} s", flush=True)
+    result = {"kind": "ttft", "schema": 1, "meta": {**_meta(a, False), "backend": a.backend}, "rows": rows}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {a.out}")
+    return 0
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name, help in (("step", "T_iter per mode at S tokens (synthetic context, forced acceptance)"),
+                       ("ttft", "TTFT of a real chunked prefill, per mode")):
+        s = sub.add_parser(name, help=help, description=help)
+        s.add_argument("--preset", default="qwen3.6-35b-a3b")
+        s.add_argument("--modes", default="dense,native,windowed")
+        s.add_argument("-d", type=int, default=7, help="num_draft_tokens")
+        s.add_argument("--window", type=int, default=4032)
+        s.add_argument("--sink", type=int, default=64)
+        s.add_argument("--page-size", type=int, default=64)
+        s.add_argument("--backend", default="triton")
+        s.add_argument("--out", required=True, help="JSON results file")
+        if name == "step":
+            s.add_argument("--context", type=int, default=1_040_000, help="S, synthetic")
+            s.add_argument("--iters", type=int, default=60)
+            s.add_argument("--warmup", type=int, default=5)
+            s.add_argument("--accept", type=int, default=3, help="forced accepted drafts per iteration")
+            s.add_argument("--kernels", action="store_true", help="also the attention micro-benchmarks")
+            s.add_argument("--admission", action="store_true", help="also how many S-token requests fit")
+            s.add_argument("--reserve-gib", type=float, default=6.0, help="left free for activations")
+            s.add_argument("--heads", type=int, default=16)
+            s.add_argument("--kv-heads", type=int, default=2)
+            s.add_argument("--head-dim", type=int, default=256)
+        else:
+            s.add_argument("--tokens", type=int, default=131_072)
+            s.add_argument("--chunk", type=int, default=8192)
+
+
+def run(a: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        from wmtp.errors import WmtpError
+
+        raise WmtpError("wmtp bench needs a CUDA device")
+    return run_step(a) if a.bench == "step" else run_ttft(a)

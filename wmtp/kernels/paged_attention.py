@@ -1,0 +1,252 @@
+"""Triton attention over paged or ring-addressed KV, with the draft window rule (DESIGN §3, §4).
+
+One kernel family serves every attention in the engine: target prefill chunks, decode, verify
+(q_len 1..d), and the MTP draft (native over its full-length pool, windowed over its ring). Its
+PyTorch twin is ``TorchBackend.attention``; ``tests/test_paged_attention.py`` compares them, on the
+CPU under ``TRITON_INTERPRET=1`` too.
+
+Design (flash-decoding):
+- A program owns (request, block of ``BLOCK_Q`` queries, KV head, split). The GQA group of q heads
+  sharing a KV head is packed into the rows of one tile (rows = BLOCK_Q x GROUP), so each K/V tile
+  is loaded once per group and q_len = 1 still gives a tensor-core-sized tile.
+- Keys are enumerated as a *virtual* range: under a window, ``[0, sink_end)`` are the sink and the
+  rest map to ``recent_start + j``; without one, ``j`` is the position. Positions, page / ring slots
+  and the mask are computed in the kernel from scalars (sink, W, ring modulus, page size), so no
+  per-iteration O(S) index list exists anywhere.
+- The virtual range is cut into splits so one request over 1M keys fills the GPU; a second kernel
+  merges the splits' (max, sum, unnormalised output) exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
+
+try:  # Triton is optional: the CPU path never needs it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+
+
+@dataclass
+class AttentionMeta:
+    """Per-forward metadata the kernel reads (tensors on the KV device; ints on the host)."""
+
+    q_start: torch.Tensor  # [B] int32 position of each request's first query
+    q_len: torch.Tensor  # [B] int32
+    tok_off: torch.Tensor  # [B] int32 first row of each request in the flat q
+    windowed: torch.Tensor  # [B] int32 1 = apply the draft window
+    table: torch.Tensor  # [B, max_pages] int32 page table (paged) or [B, 1] ring base (ring)
+    page_size: int
+    ring: bool
+    sink: int
+    window: int
+    ring_mod: int
+    max_q_len: int
+    max_keys: int  # upper bound of any program's virtual key count (host-side, no sync)
+
+    @classmethod
+    def from_context(cls, ctx: ForwardContext, device: torch.device) -> "AttentionMeta":
+        wins = [ctx.window(b) for b in range(ctx.batch_size)]
+        active = {(w.sink, w.window) for w in wins if w is not None}
+        if len(active) > 1:
+            raise ValueError(f"one forward must use one draft window; got {sorted(active)}")
+        sink, window = next(iter(active)) if active else (0, 1)
+        slots = ctx.kv_slots
+        if isinstance(slots, RingSlots):
+            table, page, ring, mod = slots.base.view(-1, 1), 1, True, slots.window.window + slots.num_draft_tokens
+        elif isinstance(slots, PagedSlots):
+            table, page, ring, mod = slots.block_table, slots.page_size, False, 1
+        else:
+            raise TypeError(f"unsupported kv_slots {type(slots).__name__}")
+        keys = [
+            (s + n) if w is None else min(w.sink, max(s - w.window + 1, 0)) + min(s + n, w.window + n)
+            for s, n, w in zip(ctx.q_starts, ctx.q_lens, wins)
+        ]
+
+        def i32(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int32, device=device)
+
+        return cls(
+            i32(ctx.q_starts), i32(ctx.q_lens), i32(ctx.token_offsets[:-1]), i32([w is not None for w in wins]),
+            table.to(device=device, dtype=torch.int32), page, ring, sink, window, mod,
+            max(ctx.q_lens), max(keys),
+        )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attn_split_kernel(
+        Q, K, V, Out, OPart, MPart, LPart,
+        q_start_ptr, q_len_ptr, tok_off_ptr, win_ptr, table_ptr, table_stride,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
+        stride_ps, stride_pt, stride_ph,
+        num_q_blocks, keys_per_split, scale_log2e, page_size, sink, window, ring_mod,
+        GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+        RING: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        b = pid // num_q_blocks
+        qb = pid % num_q_blocks
+        q_len = tl.load(q_len_ptr + b)
+        if qb * BLOCK_Q >= q_len:
+            return
+        q_start = tl.load(q_start_ptr + b)
+        tok_off = tl.load(tok_off_ptr + b)
+        win_flag = tl.load(win_ptr + b)  # 0 / 1; scalar arithmetic below (no tl.where on scalars)
+        windowed = win_flag != 0
+
+        BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P  # the group is padded to a power of 2
+        rows = tl.arange(0, BLOCK_M)
+        qi = qb * BLOCK_Q + rows // GROUP_P
+        head = kvh * GROUP + rows % GROUP_P
+        row_ok = (qi < q_len) & (rows % GROUP_P < GROUP)
+        q_pos = q_start + qi
+        dims = tl.arange(0, D)
+        q = tl.load(Q + (tok_off + qi)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
+
+        # virtual key range of this query block (see module docstring)
+        q_first = q_start + qb * BLOCK_Q
+        q_last = tl.minimum(q_start + q_len - 1, q_first + BLOCK_Q - 1)
+        recent = win_flag * tl.maximum(q_first - window + 1, 0)
+        sink_end = win_flag * tl.minimum(sink, recent)
+        n_keys = sink_end + q_last - recent + 1
+        lo = split * keys_per_split
+        hi = tl.minimum(n_keys, lo + keys_per_split)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for j0 in range(lo, hi, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            k_ok = j < hi
+            pos = tl.where(j < sink_end, j, recent + j - sink_end)
+            if RING:
+                slot = tl.load(table_ptr + b * table_stride) + tl.where(pos < sink, pos, sink + (pos - sink) % ring_mod)
+            else:
+                page = tl.load(table_ptr + b * table_stride + pos // page_size, mask=k_ok, other=0)
+                slot = page * page_size + pos % page_size
+            slot = slot.to(tl.int64)
+            k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + dims[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(V + slot[:, None] * stride_kt + kvh * stride_kh + dims[None, :], mask=k_ok[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale_log2e
+            visible = (pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
+            visible &= (~windowed) | (pos[None, :] < sink) | (pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        tok = tok_off + qi
+        if SPLIT:
+            base = split * stride_ps + tok * stride_pt + head * stride_ph
+            tl.store(OPart + base[:, None] + dims[None, :], acc, mask=row_ok[:, None])
+            tl.store(MPart + base // D, m_i, mask=row_ok)
+            tl.store(LPart + base // D, l_i, mask=row_ok)
+        else:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                     out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _merge_splits_kernel(OPart, MPart, LPart, Out, num_splits, rows, stride_ps, stride_ot, stride_oh, H,
+                             D: tl.constexpr, BLOCK_S: tl.constexpr):
+        r = tl.program_id(0)  # one (token, head) row
+        tok = r // H
+        head = r % H
+        sp = tl.arange(0, BLOCK_S)
+        ok = sp < num_splits
+        m = tl.load(MPart + sp * (stride_ps // D) + r, mask=ok, other=float("-inf"))
+        l = tl.load(LPart + sp * (stride_ps // D) + r, mask=ok, other=0.0)
+        m_max = tl.max(m, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.where(ok, tl.exp2(m - m_max), 0.0)
+        denom = tl.sum(w * l, 0)
+        dims = tl.arange(0, D)
+        o = tl.load(OPart + sp[:, None] * stride_ps + r * D + dims[None, :], mask=ok[:, None], other=0.0)
+        out = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+        tl.store(Out + tok * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty))
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMeta,
+    scale: float,
+    num_splits: int | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Attention of q [T, H, D] over the cached keys (already written). Returns [T, H, D].
+
+    ``num_splits`` (default: enough programs for ~4 waves of the GPU) cuts each request's keys.
+    """
+    if triton is None:
+        raise RuntimeError("paged_attention needs triton (pip install 'wmtp[gpu]' or triton==3.6.0)")
+    T, H, D = q.shape
+    n_kv = k_cache.shape[1]
+    if H % n_kv or D & (D - 1) or D < 16:
+        raise ValueError(f"paged_attention: heads {H} must be a multiple of kv heads {n_kv}; head_dim {D} a power of 2 >= 16")
+    group = H // n_kv
+    group_p = triton.next_power_of_2(group)
+    block_q = max(1, min(triton.next_power_of_2(meta.max_q_len), max(1, 64 // group_p)))
+    if block_q * group_p < 16:  # tl.dot needs >= 16 rows: pad the query block
+        block_q = 16 // group_p
+    num_q_blocks = math.ceil(meta.max_q_len / block_q)
+    B = meta.q_len.shape[0]
+    programs = B * num_q_blocks * n_kv
+    max_splits = max(1, math.ceil(meta.max_keys / block_n))
+    if num_splits is None:
+        num_splits = min(max_splits, max(1, math.ceil(4 * _num_sms(q.device) / programs)))
+    num_splits = max(1, min(num_splits, max_splits))
+    keys_per_split = math.ceil(math.ceil(meta.max_keys / num_splits) / block_n) * block_n
+    num_splits = math.ceil(meta.max_keys / keys_per_split)
+    out = torch.empty_like(q)
+    split = num_splits > 1
+    if split:
+        o_part = torch.empty(num_splits, T, H, D, device=q.device, dtype=torch.float32)
+        m_part = torch.empty(num_splits, T, H, device=q.device, dtype=torch.float32)
+        l_part = torch.empty_like(m_part)
+    else:
+        o_part = m_part = l_part = out  # unused
+    q = q.contiguous()
+    _attn_split_kernel[(B * num_q_blocks, n_kv, num_splits)](
+        q, k_cache, v_cache, out, o_part, m_part, l_part,
+        meta.q_start, meta.q_len, meta.tok_off, meta.windowed, meta.table, meta.table.stride(0),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        T * H * D, H * D, D,
+        num_q_blocks, keys_per_split, scale * 1.4426950408889634, meta.page_size, meta.sink, meta.window, meta.ring_mod,
+        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, RING=meta.ring, SPLIT=split,
+        IEEE=q.dtype == torch.float32,
+    )
+    if split:
+        _merge_splits_kernel[(T * H,)](
+            o_part, m_part, l_part, out, num_splits, T * H, T * H * D, out.stride(0), out.stride(1), H,
+            D=D, BLOCK_S=triton.next_power_of_2(num_splits),
+        )
+    return out
