@@ -183,6 +183,69 @@ def bench(a: argparse.Namespace) -> int:
 register("bench", "GPU benchmarks: decode-step cost per mode (synthetic context), TTFT", _bench_args, bench)
 
 
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint directory")
+    src.add_argument("--preset", help="preset name (random weights, no tokenizer: prompts as token ids)")
+    p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: directory name)")
+    p.add_argument("--mode", choices=["dense", "native", "windowed"], default="windowed")
+    p.add_argument("--num-draft-tokens", "-d", type=int, default=4, help="d = γ + 1 verify tokens")
+    p.add_argument("--window", type=int, default=4032)
+    p.add_argument("--sink", type=int, default=64)
+    p.add_argument("--no-ring", action="store_true", help="keep the full-length draft pool in windowed mode")
+    p.add_argument("--max-model-len", type=int, default=4096, help="prompt + max_tokens limit per request")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="requests running at once")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-kv-pages", type=int, default=None, help="default: max_num_seqs full-length requests")
+    p.add_argument("--kv-memory-gb", type=float, default=None, help="size the KV pools from a byte budget instead")
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--max-pending-requests", type=int, default=256, help="running + queued; beyond it: 429")
+    p.add_argument("--chat-template", default=None, help="jinja file overriding the checkpoint's chat template")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--seed", type=int, default=0, help="random weights of a --preset")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def serve(a: argparse.Namespace) -> int:
+    """OpenAI-compatible HTTP server (needs the `serve` extra)."""
+    from pathlib import Path
+
+    try:
+        import uvicorn
+
+        from wmtp.server.app import checkpoint_eos_ids, create_app
+        from wmtp.server.chat import find_chat_template
+    except ImportError as e:
+        raise WmtpError(f"wmtp serve needs the serve extra (pip install 'wmtp[serve]'): {e}") from None
+    from wmtp.engine.config import SpecConfig
+    from wmtp.engine.llm import LLM
+
+    if a.max_pending_requests < 1:
+        raise WmtpError(f"--max-pending-requests={a.max_pending_requests} must be >= 1")
+    spec = SpecConfig(mode=a.mode, num_draft_tokens=a.num_draft_tokens if a.mode != "dense" else 1,
+                      window=a.window, sink=a.sink, ring=not a.no_ring)
+    kv_bytes = int(a.kv_memory_gb * 2**30) if a.kv_memory_gb is not None else None
+    llm = LLM(a.model or a.preset, spec=spec, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
+              max_num_seqs=a.max_num_seqs, page_size=a.page_size, num_kv_pages=a.num_kv_pages,
+              kv_memory_bytes=kv_bytes, prefill_chunk=a.prefill_chunk, seed=a.seed)
+    template = Path(a.chat_template).read_text() if a.chat_template else find_chat_template(llm.tokenizer, a.model)
+    name = a.served_model_name or (Path(a.model).resolve().name if a.model else a.preset)
+    app = create_app(llm.engine, llm.tokenizer, name, chat_template=template,
+                     eos_token_ids=checkpoint_eos_ids(a.model, llm.tokenizer), max_pending=a.max_pending_requests)
+    mem = llm.memory_report()
+    print(f"serving {name!r} ({a.mode}, d={spec.num_draft_tokens}) on http://{a.host}:{a.port}/v1 | "
+          f"target KV {mem['target_kv'] / 2**20:.1f} MiB, draft {'ring' if spec.uses_ring else 'pool'} "
+          f"{(mem['draft_ring'] + mem['draft_pool']) / 2**20:.2f} MiB", flush=True)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+    return 0
+
+
+register("serve", "OpenAI-compatible HTTP server (completions, chat, /metrics) over the engine", _serve_args, serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wmtp", description="Windowed-MTP inference engine")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
