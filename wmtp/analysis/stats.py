@@ -162,6 +162,34 @@ def mean_ci(values: list[float], level: float = 0.95) -> MeanCI:
     return MeanCI(m, m - half, m + half, half, sd, n)
 
 
+def _se_mean(c: MeanCI) -> float:
+    return c.sd / math.sqrt(c.n) if c.n >= 2 else NAN
+
+
+def diff_ci(a: list[float], b: list[float], level: float = 0.95) -> MeanCI:
+    """mean(a) − mean(b) for independent runs: SE = sqrt(se_a² + se_b²), t with df = min(n_a, n_b) − 1
+    (conservative Welch). ``sd`` holds the SE of the difference; n = min(n_a, n_b)."""
+    ca, cb = mean_ci(a, level), mean_ci(b, level)
+    d, n = ca.mean - cb.mean, min(ca.n, cb.n)
+    if n < 2:
+        return MeanCI(d, NAN, NAN, NAN, NAN, n)
+    se = math.hypot(_se_mean(ca), _se_mean(cb))
+    half = t_quantile(level, n - 1) * se
+    return MeanCI(d, d - half, d + half, half, se, n)
+
+
+def ratio_ci(a: list[float], b: list[float], level: float = 0.95) -> MeanCI:
+    """mean(a) / mean(b) for independent runs, delta method: rel. SE = sqrt((se_a/a)² + (se_b/b)²),
+    t with df = min(n_a, n_b) − 1. ``sd`` holds the SE of the ratio."""
+    ca, cb = mean_ci(a, level), mean_ci(b, level)
+    r, n = ca.mean / cb.mean, min(ca.n, cb.n)
+    if n < 2:
+        return MeanCI(r, NAN, NAN, NAN, NAN, n)
+    se = abs(r) * math.hypot(_se_mean(ca) / ca.mean, _se_mean(cb) / cb.mean)
+    half = t_quantile(level, n - 1) * se
+    return MeanCI(r, r - half, r + half, half, se, n)
+
+
 # ---- Ordinary least squares (latency model T_iter = γ·t_draft_fwd + c) -------------------------
 
 
