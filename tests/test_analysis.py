@@ -218,6 +218,18 @@ def test_probe_matches_brute_force(tiny):
             assert bool((~w.visible(torch.tensor(p), keys)).any()) == r.affected[p]
 
 
+def test_probe_tail_equals_full_probe(tiny):
+    model, ids = tiny
+    w = DraftWindow(sink=2, window=6)
+    full, tail = window_probe(model, ids, w), window_probe(model, ids, w, first=50, prefill_chunk=32)
+    assert tail.positions == full.positions[50:] and tail.affected == full.affected[50:]
+    assert tail.agree == full.agree[50:]
+    for f in ("margin", "z_far", "readout_change"):
+        assert getattr(tail, f) == pytest.approx(getattr(full, f)[50:], abs=1e-4), f
+    with pytest.raises(ValueError):
+        window_probe(model, ids, w, first=ids.numel() - 1)
+
+
 # ---- output diff ----------------------------------------------------------------------------------
 
 
@@ -301,6 +313,11 @@ def test_report_schema_errors_and_run_warnings(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(obj))
     with pytest.raises(WmtpError, match=r"rows\[0\] \(depth_sweep\) lacks \['t_iter_s'\]"):
         load_results(tmp_path)
+    bad_hist = {"kind": "acceptance", "meta": obj["meta"], "rows": [
+        {"task": "t", "mode": "native", "sink": 4, "W": None, "d": 4, "hists": [[1, 2, 3]]}]}
+    (tmp_path / "bad.json").write_text(json.dumps(bad_hist))
+    with pytest.raises(WmtpError, match="d = 4 entries"):
+        load_results(tmp_path)
     obj = json.loads((tmp_path / "fake_depth_sweep.json").read_text())
     obj["rows"][0]["t_iter_s"] = obj["rows"][0]["t_iter_s"][:2]
     (tmp_path / "bad.json").write_text(json.dumps(obj))
@@ -318,3 +335,15 @@ def test_report_cli(tmp_path, capsys):
     assert (tmp_path / "r" / "R.md").exists() and (tmp_path / "r" / "phases_fake_phases.png").exists()
     assert "1 plots" in capsys.readouterr().out
     assert main(["report", str(tmp_path / "missing")]) == 2
+
+
+def test_report_single_run_has_no_intervals(tmp_path, monkeypatch):
+    import tests.analysis_fixtures as fx
+
+    monkeypatch.setattr(fx, "RUNS", 1)
+    fx.write_fake_results(tmp_path)
+    rep = build_report(tmp_path)
+    text = (tmp_path / "REPORT.md").read_text()
+    assert not rep.warnings and len(rep.pngs) == 6
+    step_rows = [l for l in text.splitlines() if l.startswith("| native | 1048576 | 7 | 1 |")]
+    assert step_rows and "±" not in step_rows[0]

@@ -2,10 +2,12 @@
 the MTP draft, full-context vs windowed keys, on identical inputs.
 
 One target forward over ``token_ids`` gives h_0..h_{T−1}; draft slot p then holds
-(embed(x_{p+1}), h_p) and predicts x_{p+2} (DESIGN §2). The draft's first step is run at every slot
-twice through the model's own MTP path: ``windows=[None]`` (native, full causal keys) and
-``windows=[window]`` (the DraftWindow rule). Both forwards write identical K/V, so the only
-difference between them is which keys each query reads.
+(embed(x_{p+1}), h_p) and predicts x_{p+2} (DESIGN §2). The draft's first step is run at every probed
+slot (``first``..T−2; earlier slots only get their K/V, as in the draft prefill) twice through the
+model's own MTP path: ``windows=[None]`` (native, full causal keys) and ``windows=[window]`` (the
+DraftWindow rule). Both forwards write identical K/V, so the only difference between them is which
+keys each query reads. On long contexts probe a tail (``first`` = T − 512, say): the reference
+attention below is O(probed × T).
 
 - Decision invariance: top-1 agreement per slot, and the full draft's top1−top2 logit margin.
 - Attention mass: from the draft attention layer's own q/k/v (captured at the backend seam, after
@@ -61,7 +63,7 @@ def capture_attention(attn: torch.nn.Module) -> Iterator[_Captured]:
 
 @dataclass
 class ProbeResult:
-    """Per draft slot p = 0..T−2 (query position p). ``affected[p]``: the window drops ≥ 1 key."""
+    """Per probed draft slot (query position ``positions[i]``); ``affected[i]``: the window hides ≥ 1 key."""
 
     sink: int
     window: int
@@ -103,23 +105,27 @@ def top_margin(logits: torch.Tensor) -> torch.Tensor:
 
 
 def attention_mass(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: DraftWindow, chunk: int = 128
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: DraftWindow, q_start: int = 0,
+    max_elements: int = 2**25,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reference attention of queries at positions 0..n−1 over keys 0..n−1 (q [n, H, D]; k, v [n, KV, D]).
+    """Reference attention of queries at positions q_start.. (q [m, H, D]) over keys at positions
+    0..n−1 (k, v [n, KV, D]), in float64, in query chunks of at most ``max_elements`` scores.
 
-    Returns (z_far [n] mean over heads, readout_change [n], o_full [n, H, D], o_win [n, H, D]).
+    Returns (z_far [m] mean over heads, readout_change [m], o_full [m, H, D], o_win [m, H, D]).
     Invariant: z_far = 0 and readout_change = 0 wherever the window hides no causal key.
     """
-    n, heads, _ = q.shape
+    m, heads, _ = q.shape
+    n = k.shape[0]
     group = heads // k.shape[1]
     kf = k.double().repeat_interleave(group, dim=1)
     vf = v.double().repeat_interleave(group, dim=1)
-    kpos = torch.arange(n)
+    kpos = torch.arange(n, device=k.device)[None, :]
+    chunk = max(1, max_elements // (heads * n))
     z_far, change, o_full, o_win = [], [], [], []
-    for lo in range(0, n, chunk):
-        qpos = torch.arange(lo, min(lo + chunk, n))[:, None]
-        causal = (kpos[None, :] <= qpos)[:, None, :]  # [c, 1, n]
-        visible = window.visible(qpos, kpos[None, :])[:, None, :]
+    for lo in range(0, m, chunk):
+        qpos = torch.arange(q_start + lo, q_start + min(lo + chunk, m), device=q.device)[:, None]
+        causal = (kpos <= qpos)[:, None, :]  # [c, 1, n]
+        visible = window.visible(qpos, kpos)[:, None, :]
         scores = torch.einsum("chd,nhd->chn", q[lo : lo + chunk].double(), kf) * scale
         p_full = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
         p_win = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
@@ -131,47 +137,58 @@ def attention_mass(
     return torch.cat(z_far), torch.cat(change), torch.cat(o_full), torch.cat(o_win)
 
 
-def draft_first_step(
-    model, cache, ids: torch.Tensor, hidden: torch.Tensor, window: DraftWindow | None, layer_idx: int = 0
-) -> tuple[torch.Tensor, tuple]:
-    """MTP forward at every slot 0..T−2 (teacher-forced first draft step) under ``window``.
+def target_hidden(model, cache, ids: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """Final-norm target hidden states h_0..h_{T−1}, prefilled in chunks through ``cache``."""
+    parts = [model(ids[s : s + chunk], cache.context([s], [min(chunk, ids.numel() - s)]))
+             for s in range(0, ids.numel(), chunk)]
+    return torch.cat(parts)
 
-    Returns (fp32 logits [T−1, vocab], the draft attention call's (q, k, v, scale, out)).
-    """
+
+def draft_step_at(
+    model, cache, ids: torch.Tensor, hidden: torch.Tensor, first: int, window: DraftWindow | None, layer_idx: int = 0
+) -> tuple[torch.Tensor, tuple]:
+    """Teacher-forced first draft step at slots first..T−2 under ``window``; the slots' K/V before
+    ``first`` must already be in the cache. Returns (fp32 logits [T−1−first, vocab], the draft
+    attention call's (q, k, v, scale, out))."""
     n = ids.numel() - 1
-    ctx = cache.context([0], [n], windows=[window])
+    ctx = cache.context([first], [n - first], windows=[window])
     with capture_attention(model.mtp.layers[layer_idx].self_attn) as rec:
-        out = model.mtp_forward(ids[1:], hidden[:-1], ctx, layer_idx)
+        out = model.mtp_forward(ids[first + 1 :], hidden[first:n], ctx, layer_idx)
     assert len(rec.calls) == 1, "expected exactly one draft attention call"
     return model.compute_logits(out).float(), rec.calls[0]
 
 
 @torch.no_grad()
 def window_probe(
-    model, token_ids: Sequence[int] | torch.Tensor, window: DraftWindow, layer_idx: int = 0
+    model, token_ids: Sequence[int] | torch.Tensor, window: DraftWindow, first: int = 0, layer_idx: int = 0,
+    prefill_chunk: int = 4096,
 ) -> ProbeResult:
-    """Decision-invariance and attention-mass probe of the draft at every position of ``token_ids``."""
+    """Decision-invariance and attention-mass probe of the draft at slots ``first``..T−2 of ``token_ids``
+    (slots before ``first`` only get their K/V written, as the draft prefill does)."""
     if model.mtp is None:
         raise ValueError("window_probe: the model has no MTP head")
     device = model.model.embed_tokens.weight.device
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=device).reshape(-1)
-    if ids.numel() < 3:
-        raise ValueError("window_probe: need at least 3 tokens")
-    with model.private_cache(1, ids.numel()) as cache:
-        hidden = model(ids, cache.context([0], [ids.numel()]))
-        logits_full, (q, k, v, scale, _) = draft_first_step(model, cache, ids, hidden, None, layer_idx)
-        logits_win, _ = draft_first_step(model, cache, ids, hidden, window, layer_idx)
     n = ids.numel() - 1
-    z_far, change, _, _ = attention_mass(q.cpu(), k.cpu(), v.cpu(), scale, window)
-    pos = torch.arange(n)
-    affected = [window.recent_start(p) > window.sink for p in range(n)]  # the window hides >= 1 key
+    if not 0 <= first < n:
+        raise ValueError(f"window_probe: need 0 <= first < T - 1 (got first={first}, T={ids.numel()})")
+    attn = model.mtp.layers[layer_idx].self_attn
+    with model.private_cache(1, ids.numel()) as cache:
+        hidden = target_hidden(model, cache, ids, prefill_chunk)
+        if first:
+            model.mtp_write_kv(ids[1 : first + 1], hidden[:first], cache.context([0], [first]), layer_idx)
+        logits_full, (q, _, _, scale, _) = draft_step_at(model, cache, ids, hidden, first, None, layer_idx)
+        logits_win, _ = draft_step_at(model, cache, ids, hidden, first, window, layer_idx)
+        keys = cache.kv_slots.slots(0, torch.arange(n, device=device))
+        z_far, change, _, _ = attention_mass(q, attn.k_cache[keys], attn.v_cache[keys], scale, window, first)
+    positions = list(range(first, n))
     return ProbeResult(
         sink=window.sink,
         window=window.window,
-        positions=pos.tolist(),
-        affected=affected,
+        positions=positions,
+        affected=[window.recent_start(p) > window.sink for p in positions],  # the window hides >= 1 key
         agree=(logits_full.argmax(-1) == logits_win.argmax(-1)).cpu().tolist(),
         margin=top_margin(logits_full).cpu().tolist(),
-        z_far=z_far.tolist(),
-        readout_change=change.tolist(),
+        z_far=z_far.cpu().tolist(),
+        readout_change=change.cpu().tolist(),
     )

@@ -146,6 +146,8 @@ def validate(obj: dict, path: Path) -> ResultFile:
         lack = [f for f in ROW_FIELDS[kind] if f not in row]
         if lack:
             raise WmtpError(f"report: {path}: rows[{i}] ({kind}) lacks {lack}")
+        if kind == "acceptance" and any(len(h) != row["d"] for h in row["hists"]):
+            raise WmtpError(f"report: {path}: rows[{i}].hists: every histogram needs d = {row['d']} entries (H[0..γ])")
     return ResultFile(path, kind, meta, rows)
 
 
@@ -403,7 +405,10 @@ def _plot_phases(rep: Report, f: ResultFile) -> None:
         ax.bar(names, vals, bottom=bottom, label=lab, color=c, width=0.6)
         bottom = [b + v for b, v in zip(bottom, vals)]
     t = [mean_ci(r["t_iter_s"]).mean * 1e3 for r in f.rows]
-    ax.scatter(names, t, marker="_", s=900, color="k", zorder=3, label="measured T_iter")
+    xs = range(len(f.rows))
+    ax.hlines(t, [x - 0.36 for x in xs], [x + 0.36 for x in xs], color="k", lw=2, zorder=3, label="measured T_iter")
+    for x, v in zip(xs, t):
+        ax.annotate(f"{v:.1f} ms", (x, v), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
     ax.set_ylabel("ms per iteration")
     handles, labels = ax.get_legend_handles_labels()  # top of the stack first
     ax.legend(handles[::-1], labels[::-1], fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
