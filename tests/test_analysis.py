@@ -17,7 +17,7 @@ from tests.analysis_fixtures import BUILDERS, write_fake_results
 from tests.helpers import scramble_
 from wmtp.analysis.diff import diff_tokens, greedy_outputs, output_diff_table, summarize_diffs
 from wmtp.analysis.probes import attention_mass, capture_attention, top_margin, window_probe
-from wmtp.analysis.report import build_report, load_results
+from wmtp.analysis.report import build_report, load_results, write_results
 from wmtp.analysis.stats import (
     acceptance_length_from_alphas, alpha_intervals, diff_ci, histogram_from_alphas, mean_ci, ols_fit, ratio_ci,
     t_quantile, wilson_interval,
@@ -347,3 +347,18 @@ def test_report_single_run_has_no_intervals(tmp_path, monkeypatch):
     assert not rep.warnings and len(rep.pngs) == 6
     step_rows = [l for l in text.splitlines() if l.startswith("| native | 1048576 | 7 | 1 |")]
     assert step_rows and "±" not in step_rows[0]
+
+
+def test_write_results_round_trip(tiny, tmp_path):
+    model, ids = tiny
+    row = window_probe(model, ids, DraftWindow(sink=2, window=8)).row("random-ids", ids.numel())
+    meta = {"hardware": "CPU (test)", "model": "tiny", "dtype": "float32", "synthetic": False, "runs": 1,
+            "command": "pytest"}
+    write_results(tmp_path / "probe.json", "probe", [row], meta)
+    (f,), _ = load_results(tmp_path)
+    assert f.kind == "probe" and f.rows[0]["steps"] == ids.numel() - 1 - 10 and "date" in f.meta
+    with pytest.raises(WmtpError, match="meta lacks"):
+        write_results(tmp_path / "x.json", "probe", [row], {"model": "tiny"})
+    assert not (tmp_path / "x.json").exists()
+    build_report(tmp_path)
+    assert "random-ids" in (tmp_path / "REPORT.md").read_text()

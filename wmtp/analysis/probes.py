@@ -93,6 +93,10 @@ class ProbeResult:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def row(self, task: str, context: int) -> dict:
+        """A ``probe`` results row (SCHEMA.md): the summary over affected steps plus task and S."""
+        return {"task": task, "S": context, **self.summary()}
+
 
 def _mean(xs: list[float]) -> float:
     return math.fsum(xs) / len(xs) if xs else float("nan")

@@ -151,6 +151,18 @@ def validate(obj: dict, path: Path) -> ResultFile:
     return ResultFile(path, kind, meta, rows)
 
 
+def write_results(path: str | Path, kind: str, rows: list[dict], meta: dict) -> Path:
+    """Write one schema-valid results file (``meta.date`` defaults to now, UTC); raises WmtpError
+    naming the missing field before anything is written. For benchmark scripts."""
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **meta}
+    obj = {"kind": kind, "schema": SCHEMA_VERSION, "meta": meta, "rows": rows}
+    path = Path(path)
+    validate(json.loads(json.dumps(obj)), path)  # what the report will read back
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1))
+    return path
+
+
 # ---- formatting helpers -------------------------------------------------------------------------
 
 
