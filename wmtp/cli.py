@@ -246,6 +246,24 @@ def serve(a: argparse.Namespace) -> int:
 register("serve", "OpenAI-compatible HTTP server (completions, chat, /metrics) over the engine", _serve_args, serve)
 
 
+def _report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results_dir", metavar="RESULTS_DIR", help="directory of results JSON (see wmtp/analysis/SCHEMA.md)")
+    p.add_argument("--out", default=None, help="markdown file to write (default: RESULTS_DIR/REPORT.md); PNGs go next to it")
+
+
+def report(a: argparse.Namespace) -> int:
+    from wmtp.analysis.report import build_report
+
+    rep = build_report(a.results_dir, a.out)
+    print(f"wrote {len(rep.lines)} lines and {len(rep.pngs)} plots next to {a.out or a.results_dir + '/REPORT.md'}")
+    for w in rep.warnings:
+        print(f"warning: {w}")
+    return 0
+
+
+register("report", "markdown report with tables and plots from benchmark results JSON", _report_args, report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wmtp", description="Windowed-MTP inference engine")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

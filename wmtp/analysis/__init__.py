@@ -1,0 +1,1 @@
+"""Analysis of measurements: statistics, acceptance probes, output diffs and the markdown report."""
