@@ -272,7 +272,7 @@ def test_report_every_section(tmp_path):
     for title in ("Per-step cost", "windowing wedge", "Latency-model fit", "Phase decomposition", "matched acceptance",
                   "Window-size sweep", "Pareto", "Memory", "Acceptance profiles", "Decision-invariance", "Greedy output diff"):
         assert title in text, title
-    assert "nothing: every kind is present" in text and "ignored (no `kind`): `other.json`" in text
+    assert "nothing: every kind is present" in text and "not part of this report (no kind it renders): `other.json`" in text
     assert "FAKE (test data)" in text and "Synthetic context" in text
     names = {p.name for p in rep.pngs}
     assert names == {"context_wedge_fake_context_sweep.png", "latency_fit_fake_depth_sweep.png", "phases_fake_phases.png",

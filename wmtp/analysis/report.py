@@ -124,7 +124,8 @@ def load_results(results_dir: str | Path) -> tuple[list[ResultFile], list[str]]:
             obj = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise WmtpError(f"report: {path}: not valid JSON ({e})") from None
-        if not isinstance(obj, dict) or "kind" not in obj:
+        if not isinstance(obj, dict) or obj.get("kind") not in ROW_FIELDS:
+            # other result files (load time, kernels, TTFT, GPU identity) live beside these
             ignored.append(str(path.relative_to(root)))
             continue
         files.append(validate(obj, path))
@@ -624,7 +625,7 @@ def _header(rep: Report, files: list[ResultFile], ignored: list[str], results_di
     for model, shape in shapes.items():
         rep.add(f"- shape of {model}: {json.dumps(shape) if not isinstance(shape, str) else shape}")
     if ignored:
-        rep.add(f"- ignored (no `kind`): {', '.join(f'`{p}`' for p in ignored)}")
+        rep.add(f"- not part of this report (no kind it renders): {', '.join(f'`{p}`' for p in ignored)}")
     rep.add("")
 
 
