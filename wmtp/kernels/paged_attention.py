@@ -170,22 +170,32 @@ if triton is not None:
                      out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
-    def _merge_splits_kernel(OPart, MPart, LPart, Out, num_splits, rows, stride_ps, stride_ot, stride_oh, H,
-                             D: tl.constexpr, BLOCK_S: tl.constexpr):
-        r = tl.program_id(0)  # one (token, head) row
+    def _merge_splits_kernel(OPart, MPart, LPart, Out, num_splits, rows, stride_ot, stride_oh, H,
+                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+        """One program per (token, head) row and block of head dims; splits are walked in blocks
+        of BLOCK_S (two passes: the global max, then the rescaled sums) so tiles stay small."""
+        r = tl.program_id(0)
+        db = tl.program_id(1)
         tok = r // H
         head = r % H
-        sp = tl.arange(0, BLOCK_S)
-        ok = sp < num_splits
-        m = tl.load(MPart + sp * (stride_ps // D) + r, mask=ok, other=float("-inf"))
-        l = tl.load(LPart + sp * (stride_ps // D) + r, mask=ok, other=0.0)
-        m_max = tl.max(m, 0)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        w = tl.where(ok, tl.exp2(m - m_max), 0.0)
-        denom = tl.sum(w * l, 0)
-        dims = tl.arange(0, D)
-        o = tl.load(OPart + sp[:, None] * stride_ps + r * D + dims[None, :], mask=ok[:, None], other=0.0)
-        out = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+        dims = db * BLOCK_D + tl.arange(0, BLOCK_D)
+        m_max = tl.full([BLOCK_S], float("-inf"), tl.float32)
+        for s0 in range(0, num_splits, BLOCK_S):
+            sp = s0 + tl.arange(0, BLOCK_S)
+            m_max = tl.maximum(m_max, tl.load(MPart + sp * rows + r, mask=sp < num_splits, other=float("-inf")))
+        m = tl.max(m_max, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        denom = tl.zeros([BLOCK_S], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for s0 in range(0, num_splits, BLOCK_S):
+            sp = s0 + tl.arange(0, BLOCK_S)
+            ok = sp < num_splits
+            w = tl.where(ok, tl.exp2(tl.load(MPart + sp * rows + r, mask=ok, other=float("-inf")) - m), 0.0)
+            denom += w * tl.load(LPart + sp * rows + r, mask=ok, other=0.0)
+            o = tl.load(OPart + (sp[:, None] * rows + r) * D + dims[None, :], mask=ok[:, None], other=0.0)
+            acc += tl.sum(o * w[:, None], 0)
+        total = tl.sum(denom, 0)
+        out = acc / tl.where(total == 0.0, 1.0, total)
         tl.store(Out + tok * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty))
 
 
@@ -243,10 +253,13 @@ def paged_attention(
         num_q_blocks, keys_per_split, scale * 1.4426950408889634, meta.page_size, meta.sink, meta.window, meta.ring_mod,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, RING=meta.ring, SPLIT=split,
         IEEE=q.dtype == torch.float32,
+        # a [64, 256] fp32 accumulator spills at 4 warps; small tiles (decode) are faster at 4 (H200)
+        num_warps=8 if D >= 256 and block_q * group_p >= 64 else 4,
     )
     if split:
-        _merge_splits_kernel[(T * H,)](
-            o_part, m_part, l_part, out, num_splits, T * H, T * H * D, out.stride(0), out.stride(1), H,
-            D=D, BLOCK_S=triton.next_power_of_2(num_splits),
+        block_d = min(D, 64)
+        _merge_splits_kernel[(T * H, D // block_d)](
+            o_part, m_part, l_part, out, num_splits, T * H, out.stride(0), out.stride(1), H,
+            D=D, BLOCK_D=block_d, BLOCK_S=32,
         )
     return out

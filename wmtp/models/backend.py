@@ -206,8 +206,9 @@ def _per_token_states(q, k, v, g, beta, state):
 
 @register_backend("triton")
 class TritonBackend(TorchBackend):
-    """Attention through the Triton paged / ring / windowed kernel (``wmtp.kernels.paged_attention``);
-    every other op is still the reference's. fp64 (exactness tests) stays on the reference."""
+    """Attention through the Triton paged / ring / windowed kernel (``wmtp.kernels.paged_attention``)
+    and routed experts through the pair-wise GEMV (``wmtp.kernels.moe``) at decode sizes; the other
+    ops are still the reference's. fp64 (exactness tests) stays on the reference."""
 
     def attention(self, q, k, v, k_cache, v_cache, ctx, scale):
         if q.dtype == torch.float64:
@@ -221,3 +222,37 @@ class TritonBackend(TorchBackend):
         if meta is None:  # built once per forward, shared by every attention layer
             meta = ctx.backend_cache["attention_meta"] = AttentionMeta.from_context(ctx, q.device)
         return paged_attention(q, k_cache, v_cache, meta, scale)
+
+    def moe(self, x, router_weight, gate_up, down, top_k, norm_topk_prob):
+        from wmtp.kernels.moe import MAX_GEMV_PAIRS, routed_experts_gemv
+
+        if x.dtype == torch.float64 or x.shape[0] * top_k > MAX_GEMV_PAIRS:
+            return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob)
+        return routed_experts_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob)
+
+    def gated_delta_net(self, mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims):
+        from wmtp.kernels.gdn import MAX_RECURRENT_TOKENS, gdn_recurrent
+        from wmtp.kernels.torch_gdn import causal_conv1d
+
+        if mixed_qkv.dtype == torch.float64 or max(ctx.q_lens) > MAX_RECURRENT_TOKENS:
+            return super().gated_delta_net(mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims)
+        hk, hv, dk, dv, _ = dims
+        slots = ctx.state_slots
+        conv_out = torch.empty_like(mixed_qkv)
+        for b, n in enumerate(ctx.q_lens):  # the conv is tiny; slots stay on the device (no host sync)
+            lo = ctx.token_offsets[b]
+            x, old = mixed_qkv[lo : lo + n], conv_state[slots[b]].clone()  # a view otherwise: overwritten next
+            conv_out[lo : lo + n], conv_state[slots[b]] = causal_conv1d(x, conv_weight, old)
+            if ctx.record_states:
+                ctx.recorded.setdefault(layer_idx, []).append((torch.cat([old.transpose(0, 1), x.to(old.dtype)]), None))
+        T = mixed_qkv.shape[0]
+        q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q = q.reshape(T, hk, dk).repeat_interleave(hv // hk, dim=1)
+        k = k.reshape(T, hk, dk).repeat_interleave(hv // hk, dim=1)
+        o, states = gdn_recurrent(q, k, v.reshape(T, hv, dv), g, beta, ssm_state, slots, ctx.q_lens, ctx.record_states)
+        if ctx.record_states:
+            rec = ctx.recorded[layer_idx]
+            for b, n in enumerate(ctx.q_lens):
+                lo = ctx.token_offsets[b]
+                rec[b] = (rec[b][0], states[lo : lo + n])
+        return o

@@ -1,0 +1,90 @@
+"""Triton recurrent gated delta rule for decode / verify (a few tokens per request).
+
+One program owns (request, value head, block of value dims): it keeps that slice of the recurrent
+state [Dk, BLOCK_V] in registers, runs the request's tokens through the delta rule (same math as
+``torch_gdn.gated_delta_rule_recurrent``: q, k L2-normalised in-kernel, q scaled by Dk**-0.5), and
+writes the state back to its pool slot. With ``record`` it also writes the state after every token,
+which is what the engine rolls back to after a partially accepted verify. All requests of a
+forward run in one launch; nothing syncs with the host. The twin is ``TorchBackend.gated_delta_net``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from wmtp.kernels.torch_gdn import L2NORM_EPS
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+# Longer pieces (prefill chunks) go to the chunked reference / fla path.
+MAX_RECURRENT_TOKENS = 16
+
+if triton is not None:
+
+    @triton.jit
+    def _gdn_recurrent_kernel(Q, K, V, G, BETA, STATE, SLOTS, TOK_OFF, Q_LEN, O, REC,
+                              HV, stride_qt, stride_qh, stride_vt, stride_vh, stride_ss, stride_sh,
+                              scale, eps, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+                              RECORD: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        vb = tl.program_id(2)
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        off = tl.load(TOK_OFF + b)
+        n = tl.load(Q_LEN + b)
+        ks = tl.arange(0, DK)
+        vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        v_ok = vs < DV
+        s_ptr = STATE + slot * stride_ss + h * stride_sh + ks[:, None] * DV + vs[None, :]
+        S = tl.load(s_ptr, mask=v_ok[None, :], other=0.0).to(tl.float32)
+        for t in range(0, n):
+            row = off + t
+            q = tl.load(Q + row * stride_qt + h * stride_qh + ks).to(tl.float32)
+            k = tl.load(K + row * stride_qt + h * stride_qh + ks).to(tl.float32)
+            v = tl.load(V + row * stride_vt + h * stride_vh + vs, mask=v_ok, other=0.0).to(tl.float32)
+            g = tl.load(G + row * HV + h).to(tl.float32)
+            beta = tl.load(BETA + row * HV + h).to(tl.float32)
+            q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * scale
+            k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
+            S = S * tl.exp(g)
+            pred = tl.sum(k[:, None] * S, 0)  # what the state already predicts for k
+            delta = (v - pred) * beta
+            S = S + k[:, None] * delta[None, :]
+            o = tl.sum(q[:, None] * S, 0)
+            tl.store(O + row * (HV * DV) + h * DV + vs, o.to(O.dtype.element_ty), mask=v_ok)
+            if RECORD:
+                r_ptr = REC + row.to(tl.int64) * (HV * DK * DV) + h * (DK * DV) + ks[:, None] * DV + vs[None, :]
+                tl.store(r_ptr, S, mask=v_ok[None, :])
+        tl.store(s_ptr, S.to(STATE.dtype.element_ty), mask=v_ok[None, :])
+
+
+def gdn_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    ssm_state: torch.Tensor, slots: torch.Tensor, q_lens: list[int], record: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q, k [T, HV, Dk] (heads already repeated to HV); v [T, HV, Dv]; g, beta [T, HV]; updates
+    ``ssm_state[slots[b]]`` in place. Returns o [T, HV, Dv] and, with ``record``, the fp32 state
+    after every token [T, HV, Dk, Dv]."""
+    T, HV, DK = q.shape
+    DV = v.shape[-1]
+    if DK & (DK - 1) or ssm_state.shape[1:] != (HV, DK, DV) or not ssm_state.is_contiguous():
+        raise ValueError(f"gdn_recurrent: Dk={DK} must be a power of 2 and ssm_state {tuple(ssm_state.shape)} "
+                         f"a contiguous [slots, {HV}, {DK}, {DV}]")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty(T, HV, DV, device=q.device, dtype=q.dtype)
+    rec = torch.empty(T, HV, DK, DV, device=q.device, dtype=torch.float32) if record else o
+    offs = [0]
+    for n in q_lens[:-1]:
+        offs.append(offs[-1] + n)
+    meta = torch.tensor([offs, q_lens], dtype=torch.int32).to(q.device, non_blocking=True)
+    block_v = min(32, triton.next_power_of_2(DV))
+    _gdn_recurrent_kernel[(len(q_lens), HV, triton.cdiv(DV, block_v))](
+        q, k, v, g.contiguous(), beta.contiguous(), ssm_state, slots.to(torch.int32), meta[0], meta[1], o, rec,
+        HV, q.stride(0), q.stride(1), v.stride(0), v.stride(1), ssm_state.stride(0), ssm_state.stride(1),
+        DK**-0.5, L2NORM_EPS, DK=DK, DV=DV, BLOCK_V=block_v, RECORD=record,
+    )
+    return o, rec if record else None
