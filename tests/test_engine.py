@@ -342,3 +342,17 @@ def test_stop_token_cuts_emission():
     stop = free[6]
     cut = llm.generate([prompt], SamplingParams(max_tokens=20, stop_token_ids=[stop]))[0]
     assert cut.token_ids == free[: free.index(stop) + 1] and cut.finish_reason == "stop"
+
+
+def test_engine_wide_metrics_add_up():
+    """The engine-wide histogram is the sum of the per-request ones; every request is counted."""
+    llm = _llm("tiny-llama", "windowed", d=4)
+    prompts = _prompts(6, seed=4)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    s = llm.stats()
+    want = [sum(o.metrics["acceptance_histogram"][n] for o in outs) for n in range(4)]
+    assert s["acceptance_histogram"] == want
+    assert s["finished_requests"] == 6 and s["generated_tokens"] == sum(len(o.token_ids) for o in outs)
+    assert s["proposed_draft_tokens"] == 3 * sum(want)
+    assert s["accepted_draft_tokens"] == sum(o.metrics["accepted_draft_tokens"] for o in outs)
+    assert s["iterations"] >= max(o.metrics["iterations"] for o in outs) and s["memory_use"]["pages"] == 0

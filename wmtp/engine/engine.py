@@ -19,7 +19,7 @@ import torch
 
 from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.engine.memory import Allocation, MemoryManager
-from wmtp.engine.metrics import RequestMetrics
+from wmtp.engine.metrics import EngineMetrics, RequestMetrics
 from wmtp.engine.sampling import SamplingParams, accept_greedy, accept_speculative, filtered_probs, sample
 from wmtp.errors import WmtpError
 from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
@@ -81,6 +81,7 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self.stop_ids = set(model.config.eos_token_ids)
+        self.metrics = EngineMetrics(spec.gamma)
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams) -> int:
@@ -107,6 +108,10 @@ class Engine:
         if req is not None and req.status != Status.FINISHED:
             self._finish(req, "abort")
 
+    def stats(self) -> dict:
+        """Engine-wide metrics (DESIGN §6) plus the pools' bytes and current use."""
+        return {**self.metrics.to_dict(), "memory_bytes": self.memory.bytes_report(), "memory_use": self.memory.usage()}
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -120,6 +125,7 @@ class Engine:
             req.alloc = req.page_rows = None
         req.status, req.finish_reason = Status.FINISHED, reason
         req.metrics.finish_time = time.perf_counter()
+        self.metrics.record_finish(req.metrics)
         req.pending_hidden = req.draft_hidden = req.draft_q = None
 
     # ---- scheduling ----------------------------------------------------------------------------
@@ -281,6 +287,7 @@ class Engine:
         if gamma:
             self._rollback(reqs, [a for a, _ in results], ctx)
         seconds = time.perf_counter() - t0
+        self.metrics.record_iteration([a for a, _ in results], seconds)
         extend = []
         for b, (r, (a, bonus)) in enumerate(zip(reqs, results)):
             r.metrics.record_iteration(a, seconds)

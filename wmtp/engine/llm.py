@@ -117,5 +117,9 @@ class LLM:
         finally:
             self.engine.abort(rid)  # a consumer that stops early frees the request's memory
 
+    def stats(self) -> dict:
+        """Engine-wide metrics: histogram, AL, α_j, T_iter, TTFT / TPOT medians, pool bytes and use."""
+        return self.engine.stats()
+
     def memory_report(self) -> dict[str, int]:
         return self.engine.memory.bytes_report()

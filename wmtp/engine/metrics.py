@@ -65,3 +65,60 @@ class RequestMetrics:
             "generated_tokens": self.num_generated,
             "memory_bytes": dict(self.memory_bytes),
         }
+
+
+@dataclass
+class EngineMetrics:
+    """Engine-wide: every speculative iteration (one per batched ``_iteration`` call: its accepted
+    counts for all requests and its wall time) and every finished request's TTFT / TPOT.
+    Invariant: ``hist`` equals the sum of the per-request histograms of every request seen."""
+
+    gamma: int
+    hist: list[int] = field(default_factory=list)
+    t_iter: list[float] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    proposed: int = 0
+    accepted: int = 0
+    generated: int = 0
+    finished: int = 0
+
+    def __post_init__(self) -> None:
+        self.hist = [0] * (self.gamma + 1)
+
+    def record_iteration(self, accepted: list[int], seconds: float) -> None:
+        for a in accepted:
+            self.hist[a] += 1
+        self.t_iter.append(seconds)
+        self.batch_sizes.append(len(accepted))
+        self.proposed += self.gamma * len(accepted)
+        self.accepted += sum(accepted)
+
+    def record_finish(self, request: RequestMetrics) -> None:
+        d = request.to_dict()
+        self.finished += 1
+        self.generated += request.num_generated
+        if d["ttft"] is not None:
+            self.ttft.append(d["ttft"])
+        if d["tpot"] is not None:
+            self.tpot.append(d["tpot"])
+
+    def to_dict(self) -> dict:
+        def med(x: list[float]) -> float | None:
+            return statistics.median(x) if x else None
+
+        return {
+            "iterations": len(self.t_iter),
+            "acceptance_histogram": list(self.hist),
+            "acceptance_length": acceptance_length(self.hist),
+            "alpha": alphas_from_histogram(self.hist),
+            "t_iter_median": med(self.t_iter),
+            "mean_batch_size": sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else None,
+            "ttft_median": med(self.ttft),
+            "tpot_median": med(self.tpot),
+            "proposed_draft_tokens": self.proposed,
+            "accepted_draft_tokens": self.accepted,
+            "generated_tokens": self.generated,
+            "finished_requests": self.finished,
+        }
