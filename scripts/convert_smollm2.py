@@ -79,6 +79,23 @@ def convert(gguf_path: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     plain.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
+    fix_tokenizer_config(out, plain.config.eos_token_id)
+
+
+def fix_tokenizer_config(out: Path, eos_id: int) -> None:
+    """transformers' GGUF tokenizer export names <|im_start|> as eos although the GGUF (and config.json)
+    say id 2 = <|im_end|>; and it keeps the chat template only in chat_template.jinja, which
+    wmtp.tokenizer.TextTokenizer does not read. Put both right in tokenizer_config.json."""
+    from tokenizers import Tokenizer
+
+    cfg_file = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    eos = Tokenizer.from_file(str(out / "tokenizer.json")).id_to_token(eos_id)
+    cfg.update({"eos_token": eos, "eos_token_id": eos_id, "pad_token": eos, "pad_token_id": eos_id})
+    jinja = out / "chat_template.jinja"
+    if jinja.exists() and "chat_template" not in cfg:
+        cfg["chat_template"] = jinja.read_text()
+    cfg_file.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def parity(out: Path) -> dict:
