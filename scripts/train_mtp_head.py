@@ -232,8 +232,9 @@ def plot(log: list[dict], evals: list[dict], path: Path) -> None:
               for i in range(len(log))]
     ax[0].plot(steps, smooth, lw=1.5, label=f"train ({k}-step mean)")
     ax[0].plot([e["step"] for e in evals], [e["heldout_loss"] for e in evals], "o-", label="held-out")
+    ax[0].set_yscale("log")  # the init loss (~27 nats) would flatten the informative tail
     ax[0].set_xlabel("optimizer step")
-    ax[0].set_ylabel("soft CE vs target top-16 (nats)")
+    ax[0].set_ylabel("soft CE vs target top-16 (nats, log scale)")
     ax[0].legend()
     ax[0].set_title("SmolLM2-135M MTP head: self-distillation loss")
     for j in (1, 2, 3):
@@ -263,7 +264,12 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=60)
     ap.add_argument("--max-minutes", type=float, default=40.0, help="stop training after this wall time")
     ap.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--replot", action="store_true", help="only redraw loss_curve.png from --out/train_log.json")
     a = ap.parse_args()
+    if a.replot:
+        log = json.loads((Path(a.out) / "train_log.json").read_text())
+        plot(log["train_log"], log["evals"], Path(a.out) / "loss_curve.png")
+        return
     torch.set_num_threads(1)
     random.seed(a.seed)
     torch.manual_seed(a.seed)
