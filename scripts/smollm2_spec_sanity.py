@@ -1,6 +1,6 @@
 """Sanity run of the trained SmolLM2 MTP head inside the engine (CPU): the head file beside the converted
 checkpoint loads through ``wmtp.load_model``; greedy native / windowed speculation emits exactly the dense
-tokens; AL > 1. Also one short RULER workload per family (chat-wrapped, 1024 tokens), scored.
+tokens; AL > 1. Also one short RULER workload per family (chat-wrapped, 2048 tokens), scored.
 
     PYTHONPATH=. python scripts/smollm2_spec_sanity.py --model /work/models/smollm2-135m \
         --head benchmarks/results/acceptance/smollm2_mtp_head/mtp.safetensors
@@ -36,13 +36,14 @@ def with_head(model_dir: Path, head: Path, tmp: Path) -> Path:
     return tmp
 
 
-def run_mode(llm_dir: Path, mode: str, prompts: list, max_tokens: int, window: int, sink: int) -> list[dict]:
+def run_mode(llm_dir: Path, mode: str, prompts: list, max_tokens: int, window: int, sink: int,
+             max_len: int) -> list[dict]:
     import wmtp
     from wmtp.engine.sampling import SamplingParams
 
     d = 1 if mode == "dense" else 4
     spec = wmtp.SpecConfig(mode=mode, num_draft_tokens=d, window=window, sink=sink)
-    llm = wmtp.LLM(str(llm_dir), spec=spec, max_model_len=2048, max_num_seqs=1)
+    llm = wmtp.LLM(str(llm_dir), spec=spec, max_model_len=max_len, max_num_seqs=1)
     outs = []
     for p in prompts:
         t0 = time.time()
@@ -58,7 +59,7 @@ def main() -> None:
     ap.add_argument("--model", default="/work/models/smollm2-135m")
     ap.add_argument("--head", default="benchmarks/results/acceptance/smollm2_mtp_head/mtp.safetensors")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--workload-tokens", type=int, default=1024)
+    ap.add_argument("--workload-tokens", type=int, default=2048)
     ap.add_argument("--tasks", nargs="*", default=None, help="workload tasks (default: all six)")
     ap.add_argument("--out", default="benchmarks/results/acceptance/smollm2_spec_sanity.json")
     a = ap.parse_args()
@@ -75,8 +76,10 @@ def main() -> None:
         del m
         workloads = [make_workload(t, a.workload_tokens, a.model, seed=0, chat=True) for t in (a.tasks or TASKS)]
         prompts = PROMPTS + [w["token_ids"] for w in workloads]
-        # windowed with a 128-token window + 16 sinks: exercises the window on the 1K-token workloads
-        runs = {mode: run_mode(d, mode, prompts, a.max_tokens, 128, 16) for mode in ("dense", "native", "windowed")}
+        # windowed with a 128-token window + 16 sinks: exercises the window on the 2K-token workloads
+        max_len = a.workload_tokens + a.max_tokens + 16
+        runs = {mode: run_mode(d, mode, prompts, a.max_tokens, 128, 16, max_len)
+                for mode in ("dense", "native", "windowed")}
     rows = []
     for i, p in enumerate(prompts):
         row = {"prompt": p if isinstance(p, str) else f"{workloads[i - len(PROMPTS)]['task']} "
