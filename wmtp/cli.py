@@ -264,6 +264,44 @@ def report(a: argparse.Namespace) -> int:
 register("report", "markdown report with tables and plots from benchmark results JSON", _report_args, report)
 
 
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    m = actions.add_parser("make", help="write one seeded RULER-style prompt of an exact token length (JSON)")
+    m.add_argument("--task", required=True, help="niah_single | niah_multivalue | niah_multiquery | vt | cwe | fwe")
+    m.add_argument("--tokens", type=int, required=True, help="exact prompt length in tokens")
+    m.add_argument("--tokenizer", required=True, help="directory holding tokenizer.json (e.g. the checkpoint)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--out", required=True, help="output JSON file")
+    m.add_argument("--needle-offset", type=int, action="append", default=None,
+                   help="niah/vt: tokens from a needle's first token to the prompt end (once per needle)")
+    m.add_argument("--depth", type=float, action="append", default=None,
+                   help="niah/vt: needle depth in [0, 1] (once per needle); default RULER's random depths")
+    m.add_argument("--corpus", default=None, help="niah haystack: pg_essays (default) | shakespeare")
+    m.add_argument("--chat", action="store_true", help="wrap in the tokenizer's chat template")
+
+
+def workload(a: argparse.Namespace) -> int:
+    from wmtp.workloads import make_workload, write_workload
+
+    opts: dict = {"chat": a.chat} if a.chat else {}
+    if a.needle_offset is not None:
+        opts["needle_offsets"] = a.needle_offset
+    if a.depth is not None:
+        opts["depths"] = a.depth
+    if a.corpus is not None:
+        opts["corpus"] = a.corpus
+    rec = make_workload(a.task, a.tokens, a.tokenizer, a.seed, **opts)
+    write_workload(rec, a.out)
+    where = ", ".join(f"needle at -{n['offset_from_end']}" for n in rec["needles"])
+    print(f"wrote {a.task} ({rec['tokens']} tokens, seed {a.seed}, answers {rec['answers']}"
+          f"{'; ' + where if where else ''}) to {a.out}")
+    return 0
+
+
+register("workload", "synthetic long-context workloads (RULER niah/vt/cwe/fwe) of an exact token length",
+         _workload_args, workload)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wmtp", description="Windowed-MTP inference engine")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
