@@ -71,15 +71,14 @@ def time_mode(model, mode: str, a: argparse.Namespace, bandwidth: float) -> dict
     floor = sb.total / bandwidth
     med = statistics.median(times)
     q = statistics.quantiles(times, n=10)
-    mem = eng.memory.bytes_report()
-    eng_mem = {k: v for k, v in mem.items()}
+    pools = eng.memory.bytes_report()
     del eng
     release_pools(model)
     row = {
         "mode": mode, "S": a.context, "d": spec.verify_tokens, "B": 1, "forced_accept": k,
         "t_iter_s": [med], "t_iter_p10_s": [q[0]], "t_iter_p90_s": [q[-1]], "iterations": len(times),
         "floor_s": floor, "floor_bytes": sb.total, "bytes": sb.to_dict(), "t_iter_over_floor": med / floor,
-        "pool_bytes": eng_mem,
+        "pool_bytes": pools,
     }
     print(f"[{mode:8s}] T_iter median {med * 1e3:8.2f} ms (p10 {q[0] * 1e3:.2f}, p90 {q[-1] * 1e3:.2f}, n={len(times)}) "
           f"| floor {floor * 1e3:.2f} ms ({sb.total / 2**30:.2f} GiB) | T_iter/floor {med / floor:.2f}", flush=True)

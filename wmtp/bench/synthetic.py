@@ -39,8 +39,8 @@ def add_synthetic_request(engine: Engine, context: int, max_tokens: int, seed: i
     rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=seed))
     req = engine.requests[rid]
     engine._admit_waiting()
-    if req.status != Status.PREFILL:
-        engine.abort(rid)
+    if req.status != Status.PREFILL:  # still waiting: take it back out, nothing was reserved
+        engine.waiting.remove(req)
         engine.requests.pop(rid)
         raise MemoryError(f"no room now for a synthetic request of {context} + {max_tokens} tokens")
     req.prefilled = context

@@ -156,8 +156,10 @@ class Engine:
             req.metrics.memory_bytes = self.memory.allocation_bytes(req.alloc)
             # Pages are reserved for the worst case up front, so each request's block-table row is
             # built once here: no per-iteration host work that grows with the context.
-            draft = torch.tensor(req.alloc.draft_pages, device=self.device) if req.alloc.draft_pages else None
-            req.page_rows = (torch.tensor(req.alloc.pages, device=self.device), draft)
+            # int32: the layout the attention kernels read, so no per-forward cast
+            rows = [torch.tensor(p, dtype=torch.int32, device=self.device) if p else None
+                    for p in (req.alloc.pages, req.alloc.draft_pages)]
+            req.page_rows = (rows[0], rows[1])
             req.status = Status.PREFILL
             self.running.append(req)
 

@@ -45,21 +45,26 @@ class RequestMetrics:
         self.proposed += self.gamma
         self.accepted += accepted
 
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.finish_time is None or self.first_token_time is None or self.num_generated < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_generated - 1)
+
     def to_dict(self) -> dict:
-        it = sum(self.hist)
-        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival
-        tpot = None
-        if self.finish_time is not None and self.first_token_time is not None and self.num_generated > 1:
-            tpot = (self.finish_time - self.first_token_time) / (self.num_generated - 1)
         return {
-            "iterations": it,
+            "iterations": sum(self.hist),
             "acceptance_histogram": list(self.hist),
             "acceptance_length": acceptance_length(self.hist),
             "alpha": alphas_from_histogram(self.hist),
             "t_iter": list(self.t_iter),
             "t_iter_median": statistics.median(self.t_iter) if self.t_iter else None,
-            "ttft": ttft,
-            "tpot": tpot,
+            "ttft": self.ttft,
+            "tpot": self.tpot,
             "proposed_draft_tokens": self.proposed,
             "accepted_draft_tokens": self.accepted,
             "generated_tokens": self.num_generated,
@@ -96,13 +101,11 @@ class EngineMetrics:
         self.accepted += sum(accepted)
 
     def record_finish(self, request: RequestMetrics) -> None:
-        d = request.to_dict()
         self.finished += 1
         self.generated += request.num_generated
-        if d["ttft"] is not None:
-            self.ttft.append(d["ttft"])
-        if d["tpot"] is not None:
-            self.tpot.append(d["tpot"])
+        for values, v in ((self.ttft, request.ttft), (self.tpot, request.tpot)):
+            if v is not None:
+                values.append(v)
 
     def to_dict(self) -> dict:
         def med(x: list[float]) -> float | None:

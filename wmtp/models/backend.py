@@ -117,9 +117,7 @@ class TorchBackend(Backend):
         return weight * h.to(x.dtype)
 
     def attention(self, q, k, v, k_cache, v_cache, ctx, scale):
-        write = ctx.write_slots
-        k_cache[write] = k.to(k_cache.dtype)
-        v_cache[write] = v.to(v_cache.dtype)
+        _write_kv(k, v, k_cache, v_cache, ctx)
         out = torch.empty_like(q)
         n_kv = k_cache.shape[1]
         for b, (start, n) in enumerate(zip(ctx.q_starts, ctx.q_lens)):
@@ -149,7 +147,7 @@ class TorchBackend(Backend):
     def gated_delta_net(self, mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims):
         from wmtp.kernels.torch_gdn import causal_conv1d, gated_delta_rule
 
-        hk, hv, dk, dv, _ = dims
+        _, hv, _, dv, _ = dims
         out = mixed_qkv.new_empty(mixed_qkv.shape[0], hv, dv)
         for b, n in enumerate(ctx.q_lens):
             if n == 0:
@@ -158,10 +156,7 @@ class TorchBackend(Backend):
             slot = int(ctx.state_slots[b])
             x = mixed_qkv[lo : lo + n]
             conv_out, new_conv = causal_conv1d(x, conv_weight, conv_state[slot])
-            q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
-            q = q.reshape(n, hk, dk).repeat_interleave(hv // hk, dim=1)
-            k = k.reshape(n, hk, dk).repeat_interleave(hv // hk, dim=1)
-            v = v.reshape(n, hv, dv)
+            q, k, v = _gdn_heads(conv_out, dims)
             if ctx.record_states:  # verify: keep every per-token state so the engine can roll back
                 o, states = _per_token_states(q, k, v, g[lo : lo + n], beta[lo : lo + n], ssm_state[slot])
                 new_state = states[-1]
@@ -192,6 +187,24 @@ class TorchBackend(Backend):
         return out
 
 
+def _write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext) -> None:
+    """Store this forward's K/V [T, kv_heads, D] at ``ctx.write_slots`` (every backend does this first)."""
+    write = ctx.write_slots
+    k_cache[write] = k.to(k_cache.dtype)
+    v_cache[write] = v.to(v_cache.dtype)
+
+
+def _gdn_heads(conv_out: torch.Tensor, dims: tuple[int, int, int, int, int]) -> tuple[torch.Tensor, ...]:
+    """Split the conv output [n, conv_dim] into q, k [n, HV, Dk] (k-heads repeated to the v-heads)
+    and v [n, HV, Dv]."""
+    hk, hv, dk, dv, _ = dims
+    n = conv_out.shape[0]
+    q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q = q.reshape(n, hk, dk).repeat_interleave(hv // hk, dim=1)
+    k = k.reshape(n, hk, dk).repeat_interleave(hv // hk, dim=1)
+    return q, k, v.reshape(n, hv, dv)
+
+
 def _per_token_states(q, k, v, g, beta, state):
     """Token-by-token delta rule returning outputs and the state after every token: [n, HV, Dk, Dv]."""
     from wmtp.kernels.torch_gdn import gated_delta_rule_recurrent
@@ -215,9 +228,7 @@ class TritonBackend(TorchBackend):
             return super().attention(q, k, v, k_cache, v_cache, ctx, scale)
         from wmtp.kernels.paged_attention import AttentionMeta, paged_attention
 
-        write = ctx.write_slots
-        k_cache[write] = k.to(k_cache.dtype)
-        v_cache[write] = v.to(v_cache.dtype)
+        _write_kv(k, v, k_cache, v_cache, ctx)
         meta = ctx.backend_cache.get("attention_meta")
         if meta is None:  # built once per forward, shared by every attention layer
             meta = ctx.backend_cache["attention_meta"] = AttentionMeta.from_context(ctx, q.device)
@@ -236,20 +247,17 @@ class TritonBackend(TorchBackend):
 
         if mixed_qkv.dtype == torch.float64 or max(ctx.q_lens) > MAX_RECURRENT_TOKENS:
             return super().gated_delta_net(mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims)
-        hk, hv, dk, dv, _ = dims
         slots = ctx.state_slots
         conv_out = torch.empty_like(mixed_qkv)
         for b, n in enumerate(ctx.q_lens):  # the conv is tiny; slots stay on the device (no host sync)
-            lo = ctx.token_offsets[b]
-            x, old = mixed_qkv[lo : lo + n], conv_state[slots[b]].clone()  # a view otherwise: overwritten next
-            conv_out[lo : lo + n], conv_state[slots[b]] = causal_conv1d(x, conv_weight, old)
+            lo, slot = ctx.token_offsets[b], slots[b : b + 1]  # a 1-element index gathers (copy, no .item())
+            x, old = mixed_qkv[lo : lo + n], conv_state[slot][0]
+            conv_out[lo : lo + n], new = causal_conv1d(x, conv_weight, old)
+            conv_state[slot] = new[None].to(conv_state.dtype)
             if ctx.record_states:
                 ctx.recorded.setdefault(layer_idx, []).append((torch.cat([old.transpose(0, 1), x.to(old.dtype)]), None))
-        T = mixed_qkv.shape[0]
-        q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
-        q = q.reshape(T, hk, dk).repeat_interleave(hv // hk, dim=1)
-        k = k.reshape(T, hk, dk).repeat_interleave(hv // hk, dim=1)
-        o, states = gdn_recurrent(q, k, v.reshape(T, hv, dv), g, beta, ssm_state, slots, ctx.q_lens, ctx.record_states)
+        q, k, v = _gdn_heads(conv_out, dims)
+        o, states = gdn_recurrent(q, k, v, g, beta, ssm_state, slots, ctx.q_lens, ctx.record_states)
         if ctx.record_states:
             rec = ctx.recorded[layer_idx]
             for b, n in enumerate(ctx.q_lens):

@@ -59,6 +59,17 @@ class PromptTokenizer:
         return idx
 
 
+def _most_units(count: Count, text, lo: int, hi: int, n: int) -> int:
+    """Largest m in [lo, hi] with count(text(m)) <= n, by bisection (count(text(lo)) <= n given)."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count(text(mid)) <= n:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def fit_forward(count: Count, head: str, units: Sequence[str], sep: str, tail: str, n: int,
                 min_units: int = 0) -> tuple[str, int]:
     """Haystack H = sep.join(units[:m]) (+ sep + a prefix of units[m]) with count(head + H + tail) == n
@@ -71,17 +82,10 @@ def fit_forward(count: Count, head: str, units: Sequence[str], sep: str, tail: s
             body = body + joiner + partial if m else partial
         return head + body + tail
 
-    lo, hi = 0, len(units)  # invariant: count(text(lo)) <= n, searched largest such lo
     if count(text(min_units)) > n:
         raise WmtpError(f"{n} tokens cannot hold the fixed parts of this prompt "
                         f"({count(text(min_units))} tokens needed); ask for more tokens")
-    lo = min_units
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if count(text(mid)) <= n:
-            lo = mid
-        else:
-            hi = mid - 1
+    lo = _most_units(count, text, min_units, len(units), n)
     for m in range(lo, max(min_units, lo - 3) - 1, -1):  # a jump past n at one unit: back off a unit
         if count(text(m)) == n:
             return _body(text(m), head, tail), m
@@ -110,13 +114,7 @@ def fit_backward(count: Count, head: str, units: Sequence[str], sep: str, tail: 
     if count(text(0)) > n:
         raise WmtpError(f"{n} tokens cannot hold the fixed parts of this prompt ({count(text(0))} "
                         f"tokens needed); ask for more tokens")
-    lo, hi = 0, len(units)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if count(text(mid)) <= n:
-            lo = mid
-        else:
-            hi = mid - 1
+    lo = _most_units(count, text, 0, len(units), n)
     for m in range(lo, max(0, lo - 3) - 1, -1):
         if count(text(m)) == n:
             return _body(text(m), head, tail), m
