@@ -32,8 +32,8 @@ def _inputs(q_lens, hk=2, hv=4, dk=16, dv=24, kernel=4, slots=(3, 0, 5), seed=0,
     return t, ctx, (hk, hv, dk, dv, kernel)
 
 
-@pytest.mark.parametrize("record", [False, True])
-@pytest.mark.parametrize("q_lens", [[1], [5, 1, 3], [7, 7]])
+@pytest.mark.parametrize("record,q_lens", [(False, [1]), (False, [5, 1, 3]), (False, [7, 7]),
+                                           (True, [1]), (True, [7, 7]), (True, [3, 3, 3])])
 def test_recurrent_kernel_matches_reference(q_lens, record):
     t, ctx, dims = _inputs(q_lens)
     ref = {k: v.clone() for k, v in t.items()}
@@ -45,18 +45,49 @@ def test_recurrent_kernel_matches_reference(q_lens, record):
     assert (t["ssm_state"] - ref["ssm_state"]).abs().max().item() < 1e-5  # untouched slots too
     assert torch.equal(t["conv_state"], ref["conv_state"])
     if record:
-        for (w_got, s_got), (w_ref, s_ref) in zip(c_tri.recorded[0], c_ref.recorded[0]):
-            assert torch.equal(w_got, w_ref)
-            assert (s_got - s_ref).abs().max().item() < 1e-5
+        (w_got, s_got), (w_ref, s_ref) = c_tri.recorded[0], c_ref.recorded[0]
+        assert w_got.shape == w_ref.shape and s_got.shape == s_ref.shape == (len(q_lens), q_lens[0], 4, 16, 24)
+        assert torch.equal(w_got, w_ref)
+        assert (s_got - s_ref).abs().max().item() < 1e-5
 
 
-def test_long_pieces_use_the_reference():
-    """Prefill-sized pieces go to the chunked reference path (same numbers by construction)."""
+def test_record_needs_equal_lengths():
+    t, ctx, dims = _inputs([2, 3])
+    with pytest.raises(ValueError, match="same q_len"):
+        TritonBackend().gated_delta_net(**t, ctx=ForwardContext(**ctx, record_states=True), layer_idx=0, dims=dims)
+
+
+def test_long_pieces_without_fla_use_the_reference():
+    """Prefill-sized pieces go to the chunked reference path where fla is absent (same numbers)."""
+    from wmtp.kernels.gdn import fla_available
+
     t, ctx, dims = _inputs([40])
+    if fla_available(torch.device(DEVICE)):
+        pytest.skip("fla installed: long pieces take fla's chunked kernel (tested below)")
     ref = {k: v.clone() for k, v in t.items()}
     want = TorchBackend().gated_delta_net(**ref, ctx=ForwardContext(**ctx), layer_idx=0, dims=dims)
     got = TritonBackend().gated_delta_net(**t, ctx=ForwardContext(**ctx), layer_idx=0, dims=dims)
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fla_prefill_matches_reference_gpu(dtype):
+    """Prefill pieces of several requests (varlen) through fla's chunked kernel, GVA (8 v-heads
+    over 2 k-heads), starting from non-zero states: outputs and final states vs the reference."""
+    from wmtp.kernels.gdn import fla_available
+
+    if not fla_available(torch.device("cuda")):
+        pytest.skip("flash-linear-attention (fla-core) is not installed")
+    t, ctx, dims = _inputs([200, 37, 129], hk=2, hv=8, dk=64, dv=64, dtype=dtype)
+    ref = {k: v.clone() for k, v in t.items()}
+    want = TorchBackend().gated_delta_net(**ref, ctx=ForwardContext(**ctx), layer_idx=0, dims=dims)
+    got = TritonBackend().gated_delta_net(**t, ctx=ForwardContext(**ctx), layer_idx=0, dims=dims)
+    tol = 2e-3 if dtype == torch.float32 else 3e-2
+    assert (got.float() - want.float()).abs().max().item() < tol * max(1.0, want.abs().max().item())
+    assert (t["ssm_state"] - ref["ssm_state"]).abs().max().item() < tol
+    assert torch.equal(t["conv_state"], ref["conv_state"])
 
 
 @pytest.mark.gpu

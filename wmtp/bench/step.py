@@ -57,12 +57,13 @@ def time_mode(model, mode: str, a: argparse.Namespace, bandwidth: float) -> dict
     spec = _spec(mode, a.d, a.window, a.sink)
     total_iters = a.warmup + a.iters + 4
     max_tokens = total_iters * spec.verify_tokens + 8
-    eng = Engine(model, spec, EngineConfig(max_model_len=a.context + max_tokens, max_num_seqs=1, page_size=a.page_size))
+    eng = Engine(model, spec, EngineConfig(max_model_len=a.context + max_tokens, max_num_seqs=1, page_size=a.page_size,
+                                           decode_graphs=a.decode_graphs))
     randomize_pools(eng)
     add_synthetic_request(eng, a.context, max_tokens)
     k = min(a.accept, spec.gamma)
     force_acceptance(eng, k)
-    with ExpertCounter(model) as counter:
+    with eng.eager_iterations(), ExpertCounter(model) as counter:  # the counter syncs: not capturable
         for _ in range(3):
             eng.step()
     times = [_sync_time(eng.step) for _ in range(a.warmup + a.iters)][a.warmup:]
@@ -188,8 +189,9 @@ def run_step(a: argparse.Namespace) -> int:
     if "native" in by and "windowed" in by:
         summary["native_over_windowed"] = by["native"]["t_iter_s"][0] / by["windowed"]["t_iter_s"][0]
         print(f"native / windowed T_iter = {summary['native_over_windowed']:.3f}", flush=True)
-    result = {"kind": "step" if rows else "kernels", "schema": 1, "meta": {**_meta(a, True), "bandwidth": bw, "backend": a.backend,
-                                                     "forced_accept": a.accept}, "rows": rows, "summary": summary}
+    result = {"kind": "step" if rows else "kernels", "schema": 1,
+              "meta": {**_meta(a, True), "bandwidth": bw, "backend": a.backend, "decode_graphs": a.decode_graphs,
+                       "forced_accept": a.accept}, "rows": rows, "summary": summary}
     if a.kernels:
         result["kernels"] = kernel_bench(a, device)
     if a.admission:
@@ -222,7 +224,10 @@ def run_ttft(a: argparse.Namespace) -> int:
         release_pools(model)
         rows.append({"mode": mode, "tokens": a.tokens, "chunk": a.chunk, "ttft_s": ttft})
         print(f"[{mode:8s}] TTFT of a {a.tokens}-token prompt: {ttft:.2f} s", flush=True)
-    result = {"kind": "ttft", "schema": 1, "meta": {**_meta(a, False), "backend": a.backend}, "rows": rows}
+    from wmtp.kernels.gdn import fla_available
+
+    gdn = "flash-linear-attention chunked" if fla_available(torch.device("cuda")) else "PyTorch reference"
+    result = {"kind": "ttft", "schema": 1, "meta": {**_meta(a, False), "backend": a.backend, "gdn_prefill": gdn}, "rows": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {a.out}")
@@ -241,6 +246,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         s.add_argument("--sink", type=int, default=64)
         s.add_argument("--page-size", type=int, default=64)
         s.add_argument("--backend", default="triton")
+        s.add_argument("--decode-graphs", default="auto", choices=["auto", "off"],
+                       help="CUDA graphs for greedy decode iterations (auto: on with the triton backend)")
         s.add_argument("--out", required=True, help="JSON results file")
         if name == "step":
             s.add_argument("--context", type=int, default=1_040_000, help="S, synthetic")

@@ -58,7 +58,4 @@ def force_acceptance(engine: Engine, accepted: int) -> None:
     if not 0 <= accepted <= engine.spec.gamma:
         raise ValueError(f"forced acceptance k={accepted} must be in [0, γ={engine.spec.gamma}]")
 
-    def accept(req, drafts, qs, logits):
-        return accepted, int(torch.argmax(logits[accepted]))
-
-    engine._accept = accept
+    engine.forced_accept = accepted

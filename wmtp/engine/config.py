@@ -89,12 +89,17 @@ class EngineConfig:
     num_kv_pages: int | None = None  # default: enough for max_num_seqs requests of max_model_len
     kv_memory_bytes: int | None = None  # alternative: size the pools from a byte budget
     prefill_chunk: int = 512
+    # "auto": CUDA graphs for greedy decode iterations on CUDA with the triton backend; "capture"
+    # forces them; "eager" runs the same static-buffer path without capturing (tests); "off".
+    decode_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "page_size", "prefill_chunk"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"EngineConfig.{name}={v!r} must be an int >= 1")
+        if self.decode_graphs not in ("auto", "capture", "eager", "off"):
+            raise ConfigError(f"EngineConfig.decode_graphs={self.decode_graphs!r}; use auto, capture, eager or off")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ConfigError(f"EngineConfig.num_kv_pages={self.num_kv_pages} must be >= 1")
         if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:

@@ -9,15 +9,18 @@ accepted slots with the target's true hidden states (which also yields the next 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from wmtp.engine.config import EngineConfig, SpecConfig
+from wmtp.engine.graphs import DecodeGraphs
 from wmtp.engine.memory import Allocation, MemoryManager
 from wmtp.engine.metrics import EngineMetrics, RequestMetrics
 from wmtp.engine.sampling import SamplingParams, accept_greedy, accept_speculative, filtered_probs, sample
@@ -82,6 +85,12 @@ class Engine:
         self._ids = itertools.count()
         self.stop_ids = set(model.config.eos_token_ids)
         self.metrics = EngineMetrics(spec.gamma)
+        # Benchmark-only (DESIGN §6): accept exactly this many drafts per iteration, whatever the
+        # tokens. Never set by the generation API.
+        self.forced_accept: int | None = None
+        self.graphs: dict[int, DecodeGraphs] = {}  # decode graphs per batch size, built on first use
+        self._graph_mode = self._resolve_graph_mode()
+        self._graph_pool = torch.cuda.graph_pool_handle() if self._graph_mode == "capture" else None
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams) -> int:
@@ -262,6 +271,9 @@ class Engine:
 
     # ---- one speculative iteration for a batch -------------------------------------------------
     def _iteration(self, reqs: list[Request]) -> None:
+        graphs = self._decode_graphs(reqs)
+        if graphs is not None:
+            return self._iteration_static(reqs, graphs)
         t0 = time.perf_counter()
         gamma, d = self.spec.gamma, self.spec.verify_tokens
         lens = [len(r.tokens) for r in reqs]
@@ -299,6 +311,8 @@ class Engine:
             self._extend(extend)
 
     def _accept(self, req: Request, drafts: list[int], qs: list, logits: torch.Tensor) -> tuple[int, int]:
+        if self.forced_accept is not None:
+            return self.forced_accept, int(torch.argmax(logits[self.forced_accept]))
         if req.params.greedy:
             target = torch.argmax(logits, dim=-1)
             return accept_greedy(torch.tensor(drafts, dtype=torch.long, device=logits.device), target)
@@ -310,13 +324,8 @@ class Engine:
 
     def _rollback(self, reqs: list[Request], accepted: list[int], ctx: ForwardContext) -> None:
         """Set each GDN layer's state to the one after the last accepted token (verify index a)."""
-        for layer in self.model.gdn_layers():
-            rec = ctx.recorded[layer.layer_idx]
-            k = layer.kernel
-            for r, a, (window, states) in zip(reqs, accepted, rec):
-                slot = r.alloc.state_slot
-                layer.ssm_state[slot] = states[a]
-                layer.conv_state[slot] = window[a + 1 : a + k].transpose(0, 1)
+        if ctx.recorded:
+            self.model.rollback_states(ctx.state_slots, torch.tensor(accepted, device=self.device), ctx.recorded)
 
     def _extend(self, items: list[tuple[Request, int, list[int], torch.Tensor]]) -> None:
         """Draft-extend over slots L-1..L-1+a with the TRUE target hiddens; its last output is d_1."""
@@ -330,6 +339,69 @@ class Engine:
         last = out[ends]
         for b, r in enumerate(reqs):
             self._set_draft(r, last[b : b + 1])
+
+    # ---- the same iteration over static buffers (CUDA graphs) --------------------------------------
+    def _resolve_graph_mode(self) -> str:
+        """"capture" (CUDA graphs), "eager" (the static-buffer path run without capture: tests) or
+        "off". The static path needs the device-side kernels of the triton backend."""
+        mode = self.eng.decode_graphs
+        if mode == "off" or self.model.backend.name != "triton" or self.dtype == torch.float64:
+            return "off"
+        if mode == "auto":
+            return "capture" if self.device.type == "cuda" else "off"
+        if mode == "capture" and self.device.type != "cuda":
+            raise WmtpError("EngineConfig.decode_graphs='capture' needs a CUDA device")
+        return mode
+
+    @contextlib.contextmanager
+    def eager_iterations(self) -> Iterator[None]:
+        """Run iterations eagerly inside this block (e.g. untimed runs that hook Python-level ops,
+        which a graph replay would skip)."""
+        saved, self._graph_mode = self._graph_mode, "off"
+        try:
+            yield
+        finally:
+            self._graph_mode = saved
+
+    def _decode_graphs(self, reqs: list[Request]) -> DecodeGraphs | None:
+        """The graph set for this batch, or None where the eager iteration must run: sampling
+        requests (their draws use per-request generators on the host), hooks a test replaced, or
+        a MoE verify too large for a capturable expert path."""
+        if self._graph_mode == "off" or any(not r.params.greedy for r in reqs):
+            return None
+        if "_sample_draft" in vars(self) or "_accept" in vars(self):
+            return None
+        B, cfg = len(reqs), self.model.config
+        if self._graph_mode == "capture" and not self.model.backend.capturable_moe(B * self.spec.verify_tokens, cfg, self.dtype):
+            return None
+        if B not in self.graphs:
+            self.graphs[B] = DecodeGraphs(self, B, capture=self._graph_mode == "capture", pool=self._graph_pool)
+        return self.graphs[B]
+
+    def _iteration_static(self, reqs: list[Request], graphs: DecodeGraphs) -> None:
+        """``_iteration`` for greedy batches, from static buffers: one host sync (drafts and target
+        argmax), acceptance on the host, then rollback + draft-extend on the device."""
+        t0 = time.perf_counter()
+        lens = [len(r.tokens) for r in reqs]
+        graphs.prepare(reqs, lens)
+        graphs.run_draft_verify()
+        drafts, target = graphs.results()
+        accepted, emitted = [], []
+        for dr, tg in zip(drafts, target):
+            a = self.forced_accept if self.forced_accept is not None else accept_greedy(dr, tg)[0]
+            accepted.append(a)
+            emitted.append(dr[:a].tolist() + [int(tg[a])])
+        seconds = time.perf_counter() - t0
+        self.metrics.record_iteration(accepted, seconds)
+        live = []
+        for r, a, toks in zip(reqs, accepted, emitted):
+            r.metrics.record_iteration(a, seconds)
+            live.append(self._emit(r, toks))
+        if self.spec.gamma:
+            d1 = graphs.run_post(reqs, lens, accepted, emitted, live)
+            for b, (r, ok) in enumerate(zip(reqs, live)):
+                if ok:
+                    r.draft_token, r.draft_q, r.draft_hidden = d1[b], None, graphs.next_hidden[b : b + 1]
 
     # ---- draft helpers -------------------------------------------------------------------------
     def _set_draft(self, req: Request, mtp_out: torch.Tensor) -> None:

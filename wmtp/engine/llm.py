@@ -49,6 +49,7 @@ class LLM:
         prefill_chunk: int = 512,
         seed: int = 0,
         backend: str = "auto",
+        decode_graphs: str = "auto",
     ) -> None:
         import wmtp
         from wmtp.models.backend import default_backend
@@ -57,7 +58,8 @@ class LLM:
         self.model = wmtp.load_model(model, device=device, dtype=dtype, seed=seed, backend=backend)
         self.tokenizer = TextTokenizer.maybe_load(model) if Path(model).is_dir() else None
         eng = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size,
-                           num_kv_pages=num_kv_pages, kv_memory_bytes=kv_memory_bytes, prefill_chunk=prefill_chunk)
+                           num_kv_pages=num_kv_pages, kv_memory_bytes=kv_memory_bytes, prefill_chunk=prefill_chunk,
+                           decode_graphs=decode_graphs)
         self.spec = spec or SpecConfig()
         self.engine = Engine(self.model, self.spec, eng)
 

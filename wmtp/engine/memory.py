@@ -151,22 +151,29 @@ class MemoryManager:
 
     # ---- tensors -----------------------------------------------------------------------------
     def bind(self, model: torch.nn.Module, device: torch.device | str) -> None:
-        """Allocate the pool tensors and attach per-layer views to the model's layers."""
+        """Allocate the pool tensors and attach per-layer views to the model's layers.
+
+        Every pool has one extra *trash* slot past its last real one (``trash_*``): padded rows of
+        a CUDA-graph forward write there, so a fixed-shape forward never touches a request's data.
+        """
         c, slots = self.cfg, self.sizes.num_pages * self.eng.page_size
         attn = model.attention_layers()
-        kv = torch.zeros(len(attn), 2, slots, c.num_kv_heads, c.head_dim, device=device, dtype=self.dtype)
+        self.trash_kv_slot = slots
+        kv = torch.zeros(len(attn), 2, slots + 1, c.num_kv_heads, c.head_dim, device=device, dtype=self.dtype)
         for i, layer in enumerate(attn):
             layer.k_cache, layer.v_cache = kv[i, 0], kv[i, 1]
         draft_slots = (self.sizes.num_draft_pages * self.eng.page_size) + self.sizes.num_rings * self.spec.ring_size
+        self.trash_draft_slot = draft_slots
         mtp = model.mtp_attention_layers()
         if self.spec.speculative and mtp:
-            dkv = torch.zeros(len(mtp), 2, draft_slots, c.num_kv_heads, c.head_dim, device=device, dtype=self.dtype)
+            dkv = torch.zeros(len(mtp), 2, draft_slots + 1, c.num_kv_heads, c.head_dim, device=device, dtype=self.dtype)
             for i, layer in enumerate(mtp):
                 layer.k_cache, layer.v_cache = dkv[i, 0], dkv[i, 1]
-        n = max(self.sizes.num_state_slots, 1)
+        n = self.sizes.num_state_slots
+        self.trash_state_slot = n
         for layer in model.gdn_layers():
-            layer.conv_state = torch.zeros(n, c.gdn_conv_dim, c.linear_conv_kernel_dim - 1, device=device, dtype=self.dtype)
-            layer.ssm_state = torch.zeros(n, layer.hv, layer.dk, layer.dv, device=device, dtype=torch.float32)
+            layer.conv_state = torch.zeros(n + 1, c.gdn_conv_dim, c.linear_conv_kernel_dim - 1, device=device, dtype=self.dtype)
+            layer.ssm_state = torch.zeros(n + 1, layer.hv, layer.dk, layer.dv, device=device, dtype=torch.float32)
         self._gdn_layers = model.gdn_layers()
 
     # ---- admission ---------------------------------------------------------------------------

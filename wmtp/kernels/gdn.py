@@ -64,11 +64,12 @@ if triton is not None:
 
 def gdn_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    ssm_state: torch.Tensor, slots: torch.Tensor, q_lens: list[int], record: bool,
+    ssm_state: torch.Tensor, slots: torch.Tensor, tok_off: torch.Tensor, q_len: torch.Tensor, record: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q, k [T, HV, Dk] (heads already repeated to HV); v [T, HV, Dv]; g, beta [T, HV]; updates
-    ``ssm_state[slots[b]]`` in place. Returns o [T, HV, Dv] and, with ``record``, the fp32 state
-    after every token [T, HV, Dk, Dv]."""
+    """q, k [T, HV, Dk] (heads already repeated to HV); v [T, HV, Dv]; g, beta [T, HV]; request b
+    owns rows ``tok_off[b] .. tok_off[b] + q_len[b] - 1`` (int32 device tensors [B], so nothing is
+    read on the host: graph-capturable) and updates ``ssm_state[slots[b]]`` in place. Returns o
+    [T, HV, Dv] and, with ``record``, the fp32 state after every token [T, HV, Dk, Dv]."""
     T, HV, DK = q.shape
     DV = v.shape[-1]
     if DK & (DK - 1) or ssm_state.shape[1:] != (HV, DK, DV) or not ssm_state.is_contiguous():
@@ -77,14 +78,42 @@ def gdn_recurrent(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty(T, HV, DV, device=q.device, dtype=q.dtype)
     rec = torch.empty(T, HV, DK, DV, device=q.device, dtype=torch.float32) if record else o
-    offs = [0]
-    for n in q_lens[:-1]:
-        offs.append(offs[-1] + n)
-    meta = torch.tensor([offs, q_lens], dtype=torch.int32).to(q.device, non_blocking=True)
     block_v = min(32, triton.next_power_of_2(DV))
-    _gdn_recurrent_kernel[(len(q_lens), HV, triton.cdiv(DV, block_v))](
-        q, k, v, g.contiguous(), beta.contiguous(), ssm_state, slots.to(torch.int32), meta[0], meta[1], o, rec,
+    _gdn_recurrent_kernel[(slots.shape[0], HV, triton.cdiv(DV, block_v))](
+        q, k, v, g.contiguous(), beta.contiguous(), ssm_state, slots, tok_off, q_len, o, rec,
         HV, q.stride(0), q.stride(1), v.stride(0), v.stride(1), ssm_state.stride(0), ssm_state.stride(1),
         DK**-0.5, L2NORM_EPS, DK=DK, DV=DV, BLOCK_V=block_v, RECORD=record,
     )
     return o, rec if record else None
+
+
+def fla_available(device: torch.device) -> bool:
+    """flash-linear-attention's chunked kernels (optional ``gpu`` extra) run on CUDA devices."""
+    if device.type != "cuda":
+        return False
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gdn_chunked_fla(conv_out: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ssm_state: torch.Tensor,
+                    ctx, dims: tuple[int, int, int, int, int]) -> torch.Tensor:
+    """Prefill-sized pieces through fla's chunked gated delta rule (varlen over the requests of the
+    forward; its GVA maps v-head h to k-head h // (HV / HK), as ``_gdn_heads`` repeats them).
+    Starts from and updates ``ssm_state[ctx.state_slots]``. Returns o [T, HV, Dv]."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    hk, hv, dk, dv, _ = dims
+    T = conv_out.shape[0]
+    q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    cu_cpu = torch.tensor(ctx.token_offsets, dtype=torch.long)
+    slots = ctx.state_slots
+    o, final = chunk_gated_delta_rule(
+        q.reshape(1, T, hk, dk), k.reshape(1, T, hk, dk), v.reshape(1, T, hv, dv), g[None].float(), beta[None],
+        scale=dk**-0.5, initial_state=ssm_state[slots], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_cpu.to(conv_out.device), cu_seqlens_cpu=cu_cpu,
+    )
+    ssm_state[slots] = final.to(ssm_state.dtype)
+    return o[0]

@@ -60,12 +60,18 @@ def expert_gemv(x: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor) -> tor
     return out
 
 
-def routed_experts_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob) -> torch.Tensor:
-    """Same contract as ``Backend.moe`` (softmax router, top-k, SwiGLU experts), pair by pair."""
+def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax router: top-k weights (fp32, renormalised if ``norm_topk_prob``) and expert ids [N, k]."""
     probs = torch.softmax(F.linear(x, router_weight), dim=-1, dtype=torch.float)
     top_w, top_i = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    return top_w, top_i
+
+
+def routed_experts_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob) -> torch.Tensor:
+    """Same contract as ``Backend.moe`` (softmax router, top-k, SwiGLU experts), pair by pair."""
+    top_w, top_i = route(x, router_weight, top_k, norm_topk_prob)
     idx = top_i.flatten()
     pairs = x.repeat_interleave(top_k, dim=0)
     h = expert_gemv(pairs, gate_up, idx)
@@ -73,3 +79,27 @@ def routed_experts_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob) 
     h = F.silu(h[:, :inter]) * h[:, inter:]
     y = expert_gemv(h, down, idx).view(x.shape[0], top_k, -1)
     return (y.float() * top_w[..., None]).sum(1).to(x.dtype)
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """torch's grouped GEMM (CUTLASS) takes bf16 on CUDA GPUs of sm80+."""
+    return (x.dtype == torch.bfloat16 and x.is_cuda and hasattr(F, "grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (8, 0))
+
+
+def routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_prob) -> torch.Tensor:
+    """Same contract as ``Backend.moe`` for many tokens (prefill, large batches): the (token, expert)
+    pairs are sorted by expert and each expert's rows go through two grouped GEMMs. Expert offsets
+    are counted on the device (no host sync, so it is graph-capturable too)."""
+    top_w, top_i = route(x, router_weight, top_k, norm_topk_prob)
+    n_exp, inter = gate_up.shape[0], down.shape[-1]
+    flat = top_i.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(n_exp, dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    h = F.grouped_mm(x[order // top_k], gate_up.transpose(1, 2), offs=offs)
+    h = F.silu(h[:, :inter]) * h[:, inter:]
+    y = torch.empty(flat.shape[0], x.shape[1], device=x.device, dtype=x.dtype)
+    y[order] = F.grouped_mm(h, down.transpose(1, 2), offs=offs)
+    return (y.view(x.shape[0], top_k, -1).float() * top_w[..., None]).sum(1).to(x.dtype)

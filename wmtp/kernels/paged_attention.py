@@ -49,6 +49,7 @@ class AttentionMeta:
     ring_mod: int
     max_q_len: int
     max_keys: int  # upper bound of any program's virtual key count (host-side, no sync)
+    num_splits: int | None = None  # fixed split count (CUDA graphs); None = chosen per call from max_keys
 
     @classmethod
     def from_context(cls, ctx: ForwardContext, device: torch.device) -> "AttentionMeta":
@@ -68,15 +69,10 @@ class AttentionMeta:
             (s + n) if w is None else min(w.sink, max(s - w.window + 1, 0)) + min(s + n, w.window + n)
             for s, n, w in zip(ctx.q_starts, ctx.q_lens, wins)
         ]
-
-        def i32(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int32, device=device)
-
-        return cls(
-            i32(ctx.q_starts), i32(ctx.q_lens), i32(ctx.token_offsets[:-1]), i32([w is not None for w in wins]),
-            table.to(device=device, dtype=torch.int32), page, ring, sink, window, mod,
-            max(ctx.q_lens), max(keys),
-        )
+        q_start, q_len, tok_off = ctx.device_lens
+        windowed = torch.tensor([w is not None for w in wins], dtype=torch.int32).to(device, non_blocking=True)
+        return cls(q_start, q_len, tok_off, windowed, table.to(device=device, dtype=torch.int32), page, ring,
+                   sink, window, mod, max(ctx.q_lens), max(keys))
 
 
 if triton is not None:
@@ -87,7 +83,7 @@ if triton is not None:
         q_start_ptr, q_len_ptr, tok_off_ptr, win_ptr, table_ptr, table_stride,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
         stride_ps, stride_pt, stride_ph,
-        num_q_blocks, keys_per_split, scale_log2e, page_size, sink, window, ring_mod,
+        num_q_blocks, num_splits, scale_log2e, page_size, sink, window, ring_mod,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
         RING: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
     ):
@@ -120,6 +116,9 @@ if triton is not None:
         recent = win_flag * tl.maximum(q_first - window + 1, 0)
         sink_end = win_flag * tl.minimum(sink, recent)
         n_keys = sink_end + q_last - recent + 1
+        # each program balances its own keys over the splits (the grid's split count is fixed by
+        # the host, e.g. at graph capture, while the context grows)
+        keys_per_split = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
         lo = split * keys_per_split
         hi = tl.minimum(n_keys, lo + keys_per_split)
 
@@ -189,8 +188,9 @@ if triton is not None:
         acc = tl.zeros([BLOCK_D], tl.float32)
         for s0 in range(0, num_splits, BLOCK_S):
             sp = s0 + tl.arange(0, BLOCK_S)
-            ok = sp < num_splits
-            w = tl.where(ok, tl.exp2(tl.load(MPart + sp * rows + r, mask=ok, other=float("-inf")) - m), 0.0)
+            m_sp = tl.load(MPart + sp * rows + r, mask=sp < num_splits, other=float("-inf"))
+            ok = m_sp != float("-inf")  # empty splits (short contexts under a fixed grid) are not read
+            w = tl.where(ok, tl.exp2(m_sp - m), 0.0)
             denom += w * tl.load(LPart + sp * rows + r, mask=ok, other=0.0)
             o = tl.load(OPart + (sp[:, None] * rows + r) * D + dims[None, :], mask=ok[:, None], other=0.0)
             acc += tl.sum(o * w[:, None], 0)
@@ -231,11 +231,10 @@ def paged_attention(
     B = meta.q_len.shape[0]
     programs = B * num_q_blocks * n_kv
     max_splits = max(1, math.ceil(meta.max_keys / block_n))
+    num_splits = num_splits or meta.num_splits
     if num_splits is None:
         num_splits = min(max_splits, max(1, math.ceil(4 * _num_sms(q.device) / programs)))
     num_splits = max(1, min(num_splits, max_splits))
-    keys_per_split = math.ceil(math.ceil(meta.max_keys / num_splits) / block_n) * block_n
-    num_splits = math.ceil(meta.max_keys / keys_per_split)
     out = torch.empty_like(q)
     split = num_splits > 1
     if split:
@@ -250,7 +249,7 @@ def paged_attention(
         meta.q_start, meta.q_len, meta.tok_off, meta.windowed, meta.table, meta.table.stride(0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         T * H * D, H * D, D,
-        num_q_blocks, keys_per_split, scale * 1.4426950408889634, meta.page_size, meta.sink, meta.window, meta.ring_mod,
+        num_q_blocks, num_splits, scale * 1.4426950408889634, meta.page_size, meta.sink, meta.window, meta.ring_mod,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, RING=meta.ring, SPLIT=split,
         IEEE=q.dtype == torch.float32,
         # a [64, 256] fp32 accumulator spills at 4 warps; small tiles (decode) are faster at 4 (H200)

@@ -56,37 +56,40 @@ def causal_conv1d(
     """Depthwise causal conv over time followed by SiLU, with carried left context.
 
     Args:
-        x: [T, C] inputs of this piece of the sequence.
+        x: [T, C] inputs of this piece of the sequence, or [B, T, C] for B sequences at once.
         weight: [C, K] depthwise kernel (``conv1d.weight.squeeze(1)``); no bias.
-        conv_state: [C, K-1] the last K-1 inputs seen before ``x`` (oldest first), or
-            None for the start of a sequence (zeros).
+        conv_state: [C, K-1] (or [B, C, K-1]) the last K-1 inputs seen before ``x`` (oldest
+            first), or None for the start of a sequence (zeros).
 
     Returns:
-        out: [T, C] in ``x.dtype``; the conv + SiLU are computed in ``weight.dtype``
-            (as the reference casts its input to the weight dtype).
-        new_state: [C, K-1] in ``x.dtype``, the last K-1 columns of
+        out: [T, C] (or [B, T, C]) in ``x.dtype``; the conv + SiLU are computed in
+            ``weight.dtype`` (as the reference casts its input to the weight dtype).
+        new_state: [C, K-1] (or [B, C, K-1]) in ``x.dtype``, the last K-1 columns of
             ``cat([conv_state, x.T])``; feeding it to the next call makes piecewise
             processing identical to processing the whole sequence.
     """
-    assert x.dim() == 2 and weight.dim() == 2, (x.shape, weight.shape)
-    T, C = x.shape
+    batched = x.dim() == 3
+    assert x.dim() in (2, 3) and weight.dim() == 2, (x.shape, weight.shape)
+    if not batched:
+        x = x[None]
+        conv_state = None if conv_state is None else conv_state[None]
+    B, T, C = x.shape
     Cw, K = weight.shape
     assert Cw == C, f"weight has {Cw} channels, x has {C}"
     if conv_state is None:
-        conv_state = x.new_zeros(C, K - 1)
-    assert conv_state.shape == (C, K - 1), f"conv_state {tuple(conv_state.shape)} != {(C, K - 1)}"
+        conv_state = x.new_zeros(B, C, K - 1)
+    assert conv_state.shape == (B, C, K - 1), f"conv_state {tuple(conv_state.shape)} != {(B, C, K - 1)}"
 
-    # [C, K-1+T], oldest first: the left context followed by this piece.
-    ctx = torch.cat([conv_state.to(x.dtype), x.transpose(0, 1)], dim=1)
-    new_state = ctx[:, T:].contiguous()
+    # [B, C, K-1+T], oldest first: the left context followed by this piece.
+    ctx = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=2)
+    new_state = ctx[..., T:].contiguous()
     if T == 0:
-        return x.new_empty(0, C), new_state
-
-    # Valid (unpadded) conv over the context gives exactly T outputs:
-    # out[t, c] = sum_j weight[c, j] * ctx[c, t + j].
-    y = F.conv1d(ctx.to(weight.dtype).unsqueeze(0), weight.unsqueeze(1), groups=C)
-    y = F.silu(y)[0]
-    return y.transpose(0, 1).to(x.dtype), new_state
+        y = x.new_empty(B, 0, C)
+    else:
+        # Valid (unpadded) conv over the context gives exactly T outputs:
+        # out[t, c] = sum_j weight[c, j] * ctx[c, t + j].
+        y = F.silu(F.conv1d(ctx.to(weight.dtype), weight.unsqueeze(1), groups=C)).transpose(1, 2).to(x.dtype)
+    return (y, new_state) if batched else (y[0], new_state[0])
 
 
 # --------------------------------------------------------------------------------------

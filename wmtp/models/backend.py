@@ -149,6 +149,7 @@ class TorchBackend(Backend):
 
         _, hv, _, dv, _ = dims
         out = mixed_qkv.new_empty(mixed_qkv.shape[0], hv, dv)
+        windows, all_states = [], []
         for b, n in enumerate(ctx.q_lens):
             if n == 0:
                 continue
@@ -160,21 +161,21 @@ class TorchBackend(Backend):
             if ctx.record_states:  # verify: keep every per-token state so the engine can roll back
                 o, states = _per_token_states(q, k, v, g[lo : lo + n], beta[lo : lo + n], ssm_state[slot])
                 new_state = states[-1]
-                window = torch.cat([conv_state[slot].transpose(0, 1), x.to(conv_state.dtype)])
-                ctx.recorded.setdefault(layer_idx, []).append((window, states))
+                windows.append(torch.cat([conv_state[slot].transpose(0, 1), x.to(conv_state.dtype)]))
+                all_states.append(states)
             else:
                 o, new_state = gated_delta_rule(q, k, v, g[lo : lo + n], beta[lo : lo + n], ssm_state[slot])
             conv_state[slot] = new_conv.to(conv_state.dtype)
             ssm_state[slot] = new_state.to(ssm_state.dtype)
             out[lo : lo + n] = o
+        if ctx.record_states:
+            ctx.recorded[layer_idx] = (torch.stack(windows), torch.stack(all_states))
         return out
 
     def moe(self, x, router_weight, gate_up, down, top_k, norm_topk_prob):
-        logits = F.linear(x, router_weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        top_w, top_i = torch.topk(probs, top_k, dim=-1)
-        if norm_topk_prob:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        from wmtp.kernels.moe import route
+
+        top_w, top_i = route(x, router_weight, top_k, norm_topk_prob)
         top_w = top_w.to(x.dtype)
         out = torch.zeros_like(x)
         inter = down.shape[-1]
@@ -234,33 +235,60 @@ class TritonBackend(TorchBackend):
             meta = ctx.backend_cache["attention_meta"] = AttentionMeta.from_context(ctx, q.device)
         return paged_attention(q, k_cache, v_cache, meta, scale)
 
-    def moe(self, x, router_weight, gate_up, down, top_k, norm_topk_prob):
-        from wmtp.kernels.moe import MAX_GEMV_PAIRS, routed_experts_gemv
+    def capturable_moe(self, num_tokens: int, cfg, dtype: torch.dtype) -> bool:
+        """Whether ``moe`` over ``num_tokens`` avoids host syncs (CUDA-graph capture): the pair-wise
+        GEMV and the grouped GEMM do; the reference's ``torch.unique`` does not."""
+        from wmtp.kernels.moe import MAX_GEMV_PAIRS
 
-        if x.dtype == torch.float64 or x.shape[0] * top_k > MAX_GEMV_PAIRS:
+        return cfg.num_experts <= 0 or num_tokens * cfg.num_experts_per_tok <= MAX_GEMV_PAIRS or dtype == torch.bfloat16
+
+    def moe(self, x, router_weight, gate_up, down, top_k, norm_topk_prob):
+        from wmtp.kernels.moe import MAX_GEMV_PAIRS, grouped_mm_supported, routed_experts_gemv, routed_experts_grouped
+
+        if x.dtype == torch.float64:
             return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob)
-        return routed_experts_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob)
+        if x.shape[0] * top_k <= MAX_GEMV_PAIRS:
+            return routed_experts_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob)
+        if grouped_mm_supported(x):
+            return routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_prob)
+        return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob)
 
     def gated_delta_net(self, mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims):
-        from wmtp.kernels.gdn import MAX_RECURRENT_TOKENS, gdn_recurrent
+        from wmtp.kernels.gdn import MAX_RECURRENT_TOKENS, fla_available, gdn_chunked_fla, gdn_recurrent
         from wmtp.kernels.torch_gdn import causal_conv1d
 
-        if mixed_qkv.dtype == torch.float64 or max(ctx.q_lens) > MAX_RECURRENT_TOKENS:
+        if mixed_qkv.dtype == torch.float64:
             return super().gated_delta_net(mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims)
-        slots = ctx.state_slots
-        conv_out = torch.empty_like(mixed_qkv)
-        for b, n in enumerate(ctx.q_lens):  # the conv is tiny; slots stay on the device (no host sync)
-            lo, slot = ctx.token_offsets[b], slots[b : b + 1]  # a 1-element index gathers (copy, no .item())
-            x, old = mixed_qkv[lo : lo + n], conv_state[slot][0]
-            conv_out[lo : lo + n], new = causal_conv1d(x, conv_weight, old)
-            conv_state[slot] = new[None].to(conv_state.dtype)
-            if ctx.record_states:
-                ctx.recorded.setdefault(layer_idx, []).append((torch.cat([old.transpose(0, 1), x.to(old.dtype)]), None))
-        q, k, v = _gdn_heads(conv_out, dims)
-        o, states = gdn_recurrent(q, k, v, g, beta, ssm_state, slots, ctx.q_lens, ctx.record_states)
-        if ctx.record_states:
-            rec = ctx.recorded[layer_idx]
+        if max(ctx.q_lens) > MAX_RECURRENT_TOKENS:  # prefill-sized pieces: chunked form
+            if not fla_available(mixed_qkv.device):
+                return super().gated_delta_net(mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims)
+            conv_out = torch.empty_like(mixed_qkv)
             for b, n in enumerate(ctx.q_lens):
-                lo = ctx.token_offsets[b]
-                rec[b] = (rec[b][0], states[lo : lo + n])
+                lo, slot = ctx.token_offsets[b], ctx.state_slots[b : b + 1]
+                conv_out[lo : lo + n], new = causal_conv1d(mixed_qkv[lo : lo + n], conv_weight, conv_state[slot][0])
+                conv_state[slot] = new[None].to(conv_state.dtype)
+            return gdn_chunked_fla(conv_out, g, beta, ssm_state, ctx, dims)
+        slots = ctx.state_slots
+        B, n = len(ctx.q_lens), ctx.q_lens[0]
+        if all(m == n for m in ctx.q_lens):
+            # decode / verify: one batched conv over the requests' slots (no per-request launches)
+            x = mixed_qkv.view(B, n, -1)
+            old = conv_state[slots]
+            conv_out, new = causal_conv1d(x, conv_weight, old)
+            conv_state[slots] = new.to(conv_state.dtype)
+            conv_out = conv_out.reshape(B * n, -1)
+            window = torch.cat([old.transpose(1, 2), x.to(old.dtype)], dim=1) if ctx.record_states else None
+        else:
+            if ctx.record_states:
+                raise ValueError("record_states needs every request to have the same q_len (verify)")
+            conv_out = torch.empty_like(mixed_qkv)
+            for b, m in enumerate(ctx.q_lens):  # slots stay on the device (no host sync)
+                lo, slot = ctx.token_offsets[b], slots[b : b + 1]
+                conv_out[lo : lo + m], new = causal_conv1d(mixed_qkv[lo : lo + m], conv_weight, conv_state[slot][0])
+                conv_state[slot] = new[None].to(conv_state.dtype)
+        q, k, v = _gdn_heads(conv_out, dims)
+        _, q_len, tok_off = ctx.device_lens
+        o, states = gdn_recurrent(q, k, v, g, beta, ssm_state, slots, tok_off, q_len, ctx.record_states)
+        if ctx.record_states:
+            ctx.recorded[layer_idx] = (window, states.view(B, n, *states.shape[1:]))
         return o

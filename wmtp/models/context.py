@@ -59,11 +59,12 @@ class ForwardContext:
     state_slots: torch.Tensor | None = None  # [B] recurrent-state slot per request (hybrid targets)
     windows: list[DraftWindow | None] | None = None  # per request draft window; None = full causal
     device: torch.device | str = "cpu"
-    # Filled by GDN layers when ``record_states`` is set (speculative verify): per layer, per
-    # request, (conv window [K-1+n, C] = old conv state then this forward's inputs, recurrent state
-    # after every token [n, HV, Dk, Dv]) so the engine can roll back to any accepted prefix.
+    # Filled by GDN layers when ``record_states`` is set (speculative verify; every request has the
+    # same q_len n): per layer, (conv windows [B, K-1+n, C] = old conv state then this forward's
+    # inputs, recurrent state after every token [B, n, HV, Dk, Dv]) so the engine can roll back to
+    # any accepted prefix.
     record_states: bool = False
-    recorded: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # Per-forward data a backend derives once and every layer reuses (e.g. kernel metadata).
     backend_cache: dict[str, object] = field(default_factory=dict)
 
@@ -92,6 +93,20 @@ class ForwardContext:
         for n in self.q_lens:
             out.append(out[-1] + n)
         return out
+
+    @cached_property
+    def device_lens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_start, q_len, token offset) per request, int32 on ``device``: what kernels read instead
+        of the host lists (one copy per forward, shared by every layer)."""
+        host = torch.tensor([self.q_starts, self.q_lens, self.token_offsets[:-1]], dtype=torch.int32)
+        return tuple(host.to(self.device, non_blocking=True).unbind(0))
+
+    def bind_static(self, positions: torch.Tensor, write_slots: torch.Tensor,
+                    device_lens: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Make the device-side fields these static buffers (CUDA-graph capture and replay): the
+        host lists keep only the shapes, which a graph fixes; the values are whatever the buffers
+        hold when the graph runs."""
+        self.__dict__.update(positions=positions, write_slots=write_slots, device_lens=device_lens)
 
     def window(self, req: int) -> DraftWindow | None:
         return None if self.windows is None else self.windows[req]

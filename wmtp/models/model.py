@@ -135,6 +135,18 @@ class CausalLM(nn.Module):
         x = self.mtp.fuse(self.model.embed_tokens(input_ids), hidden, layer_idx)
         layer.self_attn.write_kv(layer.input_layernorm(x), self.rotary(ctx.positions), ctx)
 
+    def rollback_states(self, slots: torch.Tensor, accepted: torch.Tensor, recorded: dict) -> None:
+        """After a verify with ``record_states``: set each GDN layer's states in ``slots`` [B] to
+        those after verify token ``accepted[b]`` (device tensors, no host sync: graph-capturable)."""
+        for layer in self.gdn_layers():
+            window, states = recorded[layer.layer_idx]  # [B, K-1+n, C], [B, n, HV, Dk, Dv]
+            rows = torch.arange(states.shape[0], device=states.device)
+            layer.ssm_state[slots] = states[rows, accepted].to(layer.ssm_state.dtype)
+            # conv state after token a = the K-1 inputs ending at window row a + K-1
+            idx = accepted[:, None] + 1 + torch.arange(layer.kernel - 1, device=window.device)
+            conv = window.gather(1, idx[..., None].expand(-1, -1, window.shape[-1]))
+            layer.conv_state[slots] = conv.transpose(1, 2).to(layer.conv_state.dtype)
+
     # ---- cache views ----------------------------------------------------------------------
     def attention_layers(self) -> list[nn.Module]:
         return [l.self_attn for l in self.model.layers if l.layer_type == "full_attention"]

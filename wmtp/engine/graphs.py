@@ -1,0 +1,284 @@
+"""CUDA graphs for the decode iteration (DESIGN §2), one set per batch size.
+
+Each set holds three forwards over fixed shapes, replayed in order every iteration:
+
+- ``chain``: the γ−1 greedy draft steps. Step i takes the previous token (d_1 first) and the
+  previous MTP output, writes draft slot L−2+i and proposes d_{i+1}; writes ``drafts`` [B, γ].
+- ``verify``: the target forward over [x_{L−1}, d_1..d_γ] per request (the drafts are copied into
+  its ids on the device, so chain → verify needs no host round trip) and the target's argmax
+  [B, d]; the GDN layers record their per-token states.
+- ``post``: the GDN rollback to each request's accepted prefix, then the draft-extend over slots
+  L−1..L−1+a with the target's true hidden states, padded to d rows per request (padding rows
+  write the pool's trash slot and are never read), which gives the next d_1 and MTP output.
+
+Dense mode (γ = 0) has only ``verify``, with d = 1.
+
+Invariants: every per-iteration input sits in static device buffers that the host refills with
+two host-to-device copies per iteration (before ``chain`` and before ``post``); captured code
+reads no host value that changes between replays; host work per iteration is O(B·d), whatever
+the context length (block-table rows are copied only when the batch's requests change).
+With ``capture=False`` the same functions run eagerly (CPU tests): a replay is then a call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
+
+if TYPE_CHECKING:
+    from wmtp.engine.engine import Engine, Request
+
+
+class _Staging:
+    """Named int64 fields packed in one host buffer (pinned on CUDA) mirrored by one device
+    buffer: the host writes values, ``upload`` is one copy, and each field has a device view."""
+
+    def __init__(self, fields: dict[str, tuple[int, ...]], device: torch.device) -> None:
+        self.shapes = fields
+        self.offsets: dict[str, int] = {}
+        n = 0
+        for name, shape in fields.items():
+            self.offsets[name] = n
+            n += math.prod(shape)
+        pin = device.type == "cuda"
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self.dev = torch.zeros(n, dtype=torch.int64, device=device)
+        self.values: list[int] = [0] * n
+
+    def view(self, name: str) -> torch.Tensor:
+        o = self.offsets[name]
+        return self.dev[o : o + math.prod(self.shapes[name])].view(self.shapes[name])
+
+    def set(self, name: str, flat: list[int]) -> None:
+        o = self.offsets[name]
+        self.values[o : o + len(flat)] = flat
+
+    def upload(self) -> None:
+        self.host.copy_(torch.tensor(self.values, dtype=torch.int64))
+        self.dev.copy_(self.host, non_blocking=True)
+
+
+class DecodeGraphs:
+    """The static buffers, contexts and (optionally captured) graphs for batches of ``B`` greedy
+    requests of one engine. Build with ``DecodeGraphs(engine, B)``; run one iteration with
+    ``prepare`` → ``run_draft_verify`` → ``results`` → ``run_post``."""
+
+    def __init__(self, engine: Engine, batch: int, capture: bool, pool=None) -> None:
+        self.eng, self.B = engine, batch
+        spec, cfg = engine.spec, engine.model.config
+        self.gamma, self.d = spec.gamma, spec.verify_tokens
+        dev, B, d, g = engine.device, batch, self.d, max(self.gamma - 1, 0)
+        mem = engine.memory
+        self.stage_a = _Staging({
+            "chain_pos": (g, B), "chain_slot": (g, B), "d1": (B,), "windowed": (B,),
+            "ver_pos": (B, d), "ver_slot": (B, d), "ver_x": (B,), "ver_start": (B,), "state": (B,),
+        }, dev)
+        self.stage_b = _Staging({
+            "ext_ids": (B, d), "ext_pos": (B, d), "ext_slot": (B, d), "ext_len": (B,), "ext_last": (B,),
+            "accepted": (B,), "roll_state": (B,),
+        }, dev)
+        max_pages = mem.pages_for(engine.eng.max_model_len + spec.num_draft_tokens)
+        self.target_table = torch.zeros(B, max_pages, dtype=torch.int32, device=dev)
+        self.ring = spec.uses_ring
+        self.draft_table = (torch.zeros(B, 1, dtype=torch.int64, device=dev) if self.ring
+                            else torch.zeros(B, max_pages, dtype=torch.int32, device=dev))
+        self.hidden_in = torch.zeros(B, cfg.hidden_size, device=dev, dtype=engine.dtype)
+        self.drafts = torch.zeros(B, max(self.gamma, 1), dtype=torch.int64, device=dev)
+        self.target = torch.zeros(B, d, dtype=torch.int64, device=dev)
+        self.ver_hidden = torch.zeros(B * d, cfg.hidden_size, device=dev, dtype=engine.dtype)
+        self.next_d1 = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.next_hidden = torch.zeros(B, cfg.hidden_size, device=dev, dtype=engine.dtype)
+        self.rows: list[int] = []  # ids of the requests whose tables are loaded, in row order
+        self._build_contexts()
+        self._fill_safe()
+        self.graphs: dict[str, Callable[[], None]] = {}
+        fns = {"verify": self._verify}
+        if self.gamma:
+            fns.update(chain=self._chain, post=self._post)
+        for name, fn in fns.items():
+            self.graphs[name] = self._capture(fn, pool) if capture else fn
+
+    # ---- contexts over the static buffers ------------------------------------------------------
+    def _lens(self, q_start: torch.Tensor, q_len: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
+        B, dev = self.B, self.eng.device
+        lens = q_len if isinstance(q_len, torch.Tensor) else torch.full((B,), q_len, dtype=torch.int64, device=dev)
+        n = q_len if isinstance(q_len, int) else self.d
+        return q_start, lens, torch.arange(B, dtype=torch.int64, device=dev) * n
+
+    def _ctx(self, q_len: int, positions, slots, lens, target: bool, record: bool = False) -> ForwardContext:
+        """A context whose device fields are the static buffers; host lists only give shapes."""
+        from wmtp.kernels.paged_attention import AttentionMeta
+
+        eng, spec, B = self.eng, self.eng.spec, self.B
+        if target:
+            kv = PagedSlots(self.target_table, eng.eng.page_size)
+            windows, keys = None, eng.eng.max_model_len + spec.num_draft_tokens
+        else:
+            window = spec.draft_window  # None in native mode
+            kv = (RingSlots(self.draft_table.view(-1), window, spec.num_draft_tokens) if self.ring
+                  else PagedSlots(self.draft_table, eng.eng.page_size))
+            windows = None if window is None else [window] * B
+            keys = window.ring_size(spec.num_draft_tokens) if self.ring else eng.eng.max_model_len + spec.num_draft_tokens
+        ctx = ForwardContext([0] * B, [q_len] * B, kv, self.stage_a.view("state") if target else None,
+                             windows=windows, device=eng.device, record_states=record)
+        ctx.bind_static(positions.reshape(-1), slots.reshape(-1), lens)
+        sink, win = (windows[0].sink, windows[0].window) if windows else (0, 1)
+        table = kv.base.view(-1, 1) if self.ring and not target else kv.block_table
+        ctx.backend_cache["attention_meta"] = AttentionMeta(
+            lens[0], lens[1], lens[2], self.stage_a.view("windowed") if windows else torch.zeros_like(lens[1]),
+            table, 1 if (self.ring and not target) else eng.eng.page_size, self.ring and not target, sink, win,
+            (win + spec.num_draft_tokens) if self.ring and not target else 1, q_len, keys)
+        return ctx
+
+    def _build_contexts(self) -> None:
+        a, b = self.stage_a, self.stage_b
+        self.ver_ctx = self._ctx(self.d, a.view("ver_pos"), a.view("ver_slot"), self._lens(a.view("ver_start"), self.d),
+                                 target=True, record=self.gamma > 0)
+        self.ver_ids = torch.zeros(self.B, self.d, dtype=torch.int64, device=self.eng.device)
+        if not self.gamma:
+            return
+        self.chain_ctx = [self._ctx(1, a.view("chain_pos")[i], a.view("chain_slot")[i],
+                                    self._lens(a.view("chain_pos")[i], 1), target=False)
+                          for i in range(self.gamma - 1)]
+        self.ext_ctx = self._ctx(self.d, b.view("ext_pos"), b.view("ext_slot"),
+                                 self._lens(a.view("ver_start"), b.view("ext_len")), target=False)
+
+    def _fill_safe(self) -> None:
+        """Point every write at the trash slots (warm-up and capture run the forwards once)."""
+        mem, B, d = self.eng.memory, self.B, self.d
+        self.stage_a.set("chain_slot", [mem.trash_draft_slot] * (max(self.gamma - 1, 0) * B))
+        self.stage_a.set("ver_slot", [mem.trash_kv_slot] * (B * d))
+        self.stage_a.set("state", [mem.trash_state_slot] * B)
+        self.stage_b.set("roll_state", [mem.trash_state_slot] * B)
+        self.stage_b.set("ext_slot", [mem.trash_draft_slot] * (B * d))
+        self.stage_a.upload()
+        self.stage_b.upload()
+
+    # ---- the three forwards (captured once; they only read and write static buffers) ---------
+    @torch.no_grad()
+    def _chain(self) -> None:
+        model = self.eng.model
+        ids, hid = self.stage_a.view("d1"), self.hidden_in
+        self.drafts[:, 0] = ids
+        for i, ctx in enumerate(self.chain_ctx, start=1):
+            hid = model.mtp_forward(ids, hid, ctx)
+            ids = model.compute_logits(hid).argmax(-1)
+            self.drafts[:, i] = ids
+
+    @torch.no_grad()
+    def _verify(self) -> None:
+        model = self.eng.model
+        self.ver_ids[:, 0] = self.stage_a.view("ver_x")
+        if self.gamma:
+            self.ver_ids[:, 1:] = self.drafts
+        hidden = model(self.ver_ids.view(-1), self.ver_ctx)
+        self.ver_hidden.copy_(hidden)
+        self.target.copy_(model.compute_logits(hidden).argmax(-1).view(self.B, self.d))
+
+    @torch.no_grad()
+    def _post(self) -> None:
+        model, b = self.eng.model, self.stage_b
+        if self.ver_ctx.recorded:
+            model.rollback_states(b.view("roll_state"), b.view("accepted"), self.ver_ctx.recorded)
+        out = model.mtp_forward(b.view("ext_ids").view(-1), self.ver_hidden, self.ext_ctx)
+        last = out[b.view("ext_last")]
+        self.next_hidden.copy_(last)
+        self.next_d1.copy_(model.compute_logits(last).argmax(-1))
+
+    def _capture(self, fn: Callable[[], None], pool) -> Callable[[], None]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm-up: compiles kernels, settles the allocator (writes go to trash slots)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+        return graph.replay
+
+    # ---- host side of one iteration ------------------------------------------------------------
+    def _load_rows(self, reqs: list[Request]) -> None:
+        """Copy block-table rows and draft state into the static buffers when the batch changed."""
+        ids = [r.id for r in reqs]
+        if ids != self.rows:
+            self.target_table.zero_()
+            for b, r in enumerate(reqs):
+                row = r.page_rows[0]
+                self.target_table[b, : row.numel()] = row
+                if self.ring:
+                    self.draft_table[b, 0] = self.eng._ring_base(r)
+                elif self.gamma:
+                    self.draft_table[b, : r.page_rows[1].numel()] = r.page_rows[1]
+            self.rows = ids
+        if self.gamma and any(r.draft_hidden.data_ptr() != self.next_hidden[b].data_ptr() for b, r in enumerate(reqs)):
+            self.hidden_in.copy_(torch.cat([r.draft_hidden for r in reqs]))
+        elif self.gamma:
+            self.hidden_in.copy_(self.next_hidden)
+
+    def _draft_slot(self, req: Request, pos: int) -> int:
+        spec = self.eng.spec
+        if self.ring:
+            return self.eng._ring_base(req) + spec.draft_window.ring_slot(pos, spec.num_draft_tokens)
+        return _paged_slot(req.alloc.draft_pages, pos, self.eng.eng.page_size)
+
+    def prepare(self, reqs: list[Request], lens: list[int]) -> None:
+        """Stage everything known at the start of the iteration (L = committed tokens)."""
+        self._load_rows(reqs)
+        a, eng, d, page = self.stage_a, self.eng, self.d, self.eng.eng.page_size
+        chain_pos = [L - 2 + i for i in range(1, self.gamma) for L in lens]
+        a.set("chain_pos", chain_pos)
+        a.set("chain_slot", [self._draft_slot(reqs[j % self.B], p) for j, p in enumerate(chain_pos)])
+        a.set("d1", [r.draft_token or 0 for r in reqs])
+        a.set("windowed", [eng.spec.window_for(L) is not None for L in lens])
+        ver_pos = [L - 1 + j for L in lens for j in range(d)]
+        a.set("ver_pos", ver_pos)
+        a.set("ver_slot", [_paged_slot(reqs[i // d].alloc.pages, p, page) for i, p in enumerate(ver_pos)])
+        a.set("ver_x", [r.tokens[-1] for r in reqs])
+        a.set("ver_start", [L - 1 for L in lens])
+        if eng.model.config.is_hybrid:
+            a.set("state", [r.alloc.state_slot for r in reqs])
+        a.upload()
+
+    def run_draft_verify(self) -> None:
+        if self.gamma:
+            self.graphs["chain"]()
+        self.graphs["verify"]()
+
+    def results(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(drafts [B, γ], target argmax [B, d]) on the host: the iteration's one sync."""
+        both = torch.cat([self.drafts, self.target], dim=1).cpu()
+        return both[:, : self.gamma], both[:, max(self.gamma, 1) :]
+
+    def run_post(self, reqs: list[Request], lens: list[int], accepted: list[int], emitted: list[list[int]],
+                 live: list[bool]) -> list[int]:
+        """Rollback + draft-extend over each live request's ``emitted`` tokens; returns the next d_1."""
+        b, d, mem = self.stage_b, self.d, self.eng.memory
+        ids, pos, slots, lengths, last = [], [], [], [], []
+        for i, (r, L, toks, ok) in enumerate(zip(reqs, lens, emitted, live)):
+            n = len(toks) if ok else 0
+            ids += toks[:n] + [0] * (d - n)
+            pos += [L - 1 + j for j in range(d)]
+            slots += [self._draft_slot(r, L - 1 + j) if j < n else mem.trash_draft_slot for j in range(d)]
+            lengths.append(n)
+            last.append(i * d + max(n - 1, 0))
+        b.set("ext_ids", ids)
+        b.set("ext_pos", pos)
+        b.set("ext_slot", slots)
+        b.set("ext_len", lengths)
+        b.set("ext_last", last)
+        b.set("accepted", accepted)
+        if self.eng.model.config.is_hybrid:  # a finished request's slot is already released (zeroed)
+            b.set("roll_state", [r.alloc.state_slot if ok else mem.trash_state_slot
+                                 for r, ok in zip(reqs, live)])
+        b.upload()
+        self.graphs["post"]()
+        return self.next_d1.tolist()
+
+
+def _paged_slot(pages: list[int], pos: int, page_size: int) -> int:
+    return pages[pos // page_size] * page_size + pos % page_size
