@@ -27,6 +27,10 @@ class Backend(ABC):
         """RMSNorm over the last dim; ``offset`` selects the Qwen3-Next ``x * (1 + w)`` form."""
 
     @abstractmethod
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """GDN's output norm: ``weight * rmsnorm(x) * silu(gate)`` over the last dim."""
+
+    @abstractmethod
     def attention(
         self,
         q: torch.Tensor,
@@ -115,6 +119,11 @@ class TorchBackend(Backend):
         if offset:
             return (h * (1.0 + weight.to(h.dtype))).to(x.dtype)
         return weight * h.to(x.dtype)
+
+    def gated_rms_norm(self, x, gate, weight, eps):
+        from wmtp.kernels.torch_gdn import gated_rms_norm
+
+        return gated_rms_norm(x, gate, weight, eps)
 
     def attention(self, q, k, v, k_cache, v_cache, ctx, scale):
         _write_kv(k, v, k_cache, v_cache, ctx)
@@ -220,9 +229,10 @@ def _per_token_states(q, k, v, g, beta, state):
 
 @register_backend("triton")
 class TritonBackend(TorchBackend):
-    """Attention through the Triton paged / ring / windowed kernel (``wmtp.kernels.paged_attention``)
-    and routed experts through the pair-wise GEMV (``wmtp.kernels.moe``) at decode sizes; the other
-    ops are still the reference's. fp64 (exactness tests) stays on the reference."""
+    """Attention through the Triton paged / ring / windowed kernel (``wmtp.kernels.paged_attention``),
+    routed experts through the pair-wise GEMV at decode sizes or grouped GEMMs beyond
+    (``wmtp.kernels.moe``), the recurrent / fla-chunked gated delta rule (``wmtp.kernels.gdn``) and
+    fused RMSNorms (``wmtp.kernels.norm``). fp64 (exactness tests) stays on the reference."""
 
     def attention(self, q, k, v, k_cache, v_cache, ctx, scale):
         if q.dtype == torch.float64:
@@ -234,6 +244,20 @@ class TritonBackend(TorchBackend):
         if meta is None:  # built once per forward, shared by every attention layer
             meta = ctx.backend_cache["attention_meta"] = AttentionMeta.from_context(ctx, q.device)
         return paged_attention(q, k_cache, v_cache, meta, scale)
+
+    def rms_norm(self, x, weight, eps, offset):
+        if x.dtype == torch.float64:
+            return super().rms_norm(x, weight, eps, offset)
+        from wmtp.kernels.norm import rms_norm
+
+        return rms_norm(x, weight, eps, offset)
+
+    def gated_rms_norm(self, x, gate, weight, eps):
+        if x.dtype == torch.float64:
+            return super().gated_rms_norm(x, gate, weight, eps)
+        from wmtp.kernels.norm import rms_norm
+
+        return rms_norm(x, weight, eps, gate=gate)
 
     def capturable_moe(self, num_tokens: int, cfg, dtype: torch.dtype) -> bool:
         """Whether ``moe`` over ``num_tokens`` avoids host syncs (CUDA-graph capture): the pair-wise

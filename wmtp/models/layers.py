@@ -132,7 +132,7 @@ class GatedDeltaNet(nn.Module):
         return mixed, z.reshape(t, self.hv, self.dv), b.reshape(t, self.hv), a.reshape(t, self.hv)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        from wmtp.kernels.torch_gdn import gated_rms_norm, gdn_gates
+        from wmtp.kernels.torch_gdn import gdn_gates
 
         mixed, z, b, a = self._project(x)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
@@ -140,7 +140,7 @@ class GatedDeltaNet(nn.Module):
             mixed, g, beta, self.conv1d.weight.squeeze(1), self.conv_state, self.ssm_state, ctx,
             self.layer_idx, (self.hk, self.hv, self.dk, self.dv, self.kernel),
         )
-        core = gated_rms_norm(core, z, self.norm.weight, self.norm_eps)
+        core = self.backend.gated_rms_norm(core, z, self.norm.weight, self.norm_eps)
         return self.out_proj(core.reshape(x.shape[0], -1))
 
 

@@ -1,0 +1,49 @@
+"""The Triton RMSNorm kernel (plain, offset, gated) against its twins in the reference backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from wmtp.kernels.norm import rms_norm  # noqa: E402
+from wmtp.kernels.torch_gdn import gated_rms_norm  # noqa: E402
+from wmtp.models.backend import TorchBackend  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Triton's CPU interpreter truncates fp32 -> bf16 casts (the GPU rounds to nearest even), so the
+# bf16 cases, whose cast points matter, run on the GPU only.
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bf16 rounding)")])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 64), (3, 4, 48), (1, 2048)])
+@pytest.mark.parametrize("offset", [False, True])
+def test_rms_norm_matches_reference(shape, offset, dtype):
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(shape, generator=g) * 3).to(DEVICE, dtype)
+    w = (torch.randn(shape[-1], generator=g) * 0.3 + (0 if offset else 1)).to(DEVICE, dtype)
+    want = TorchBackend().rms_norm(x, w, 1e-6, offset)
+    got = rms_norm(x, w, 1e-6, offset)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: a couple of ulps (fp32 sums in another order)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rms_norm_matches_reference(dtype):
+    g = torch.Generator().manual_seed(1)
+    x, z = (torch.randn(7, 4, 128, generator=g).to(DEVICE, dtype) for _ in range(2))
+    w = (torch.randn(128, generator=g) * 0.3 + 1).to(DEVICE, dtype)
+    want = gated_rms_norm(x, z, w, 1e-6)
+    got = rms_norm(x, w, 1e-6, gate=z)
+    # bf16: an ulp flip of the rounded intermediate w * norm(x) is scaled by silu(z) (up to ~3x)
+    tol = 1e-5 if dtype == torch.float32 else 4e-2
+    assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+
+
+def test_shape_errors_name_the_tensors():
+    with pytest.raises(ValueError, match="rms_norm"):
+        rms_norm(torch.zeros(2, 8), torch.zeros(9), 1e-6)
