@@ -82,6 +82,7 @@ class Engine:
         self._ids = itertools.count()
         self.stop_ids = set(model.config.eos_token_ids)
         self.metrics = EngineMetrics(spec.gamma)
+        self.phase_timer = None  # benchmark-only PhaseTimer (wmtp/engine/phases.py); None costs nothing
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams) -> int:
@@ -263,6 +264,8 @@ class Engine:
     # ---- one speculative iteration for a batch -------------------------------------------------
     def _iteration(self, reqs: list[Request]) -> None:
         t0 = time.perf_counter()
+        if (pt := self.phase_timer) is not None:
+            pt.start()
         gamma, d = self.spec.gamma, self.spec.verify_tokens
         lens = [len(r.tokens) for r in reqs]
         drafts = [[r.draft_token] for r in reqs] if gamma else [[] for _ in reqs]
@@ -279,12 +282,16 @@ class Engine:
                     tok, q = self._sample_draft(r, logits[b : b + 1], lens[b] + i)
                     drafts[b].append(tok)
                     qs[b].append(q)
+                if pt is not None:
+                    pt.mark("draft_fwd")
         # verify: [x_{L-1}, d_1..d_γ] at positions L-1..L+γ-1, one forward for the batch
         ids = torch.tensor([t for r, dr in zip(reqs, drafts) for t in [r.tokens[-1], *dr]], device=self.device)
         ctx = self._target_ctx(reqs, [L - 1 for L in lens], [d] * len(reqs), record=gamma > 0)
         hidden = self.model(ids, ctx)
         logits = self.model.compute_logits(hidden).view(len(reqs), d, -1)
         hidden = hidden.view(len(reqs), d, -1)
+        if pt is not None:
+            pt.mark("verify_base")
         results = [self._accept(r, drafts[b], qs[b], logits[b]) for b, r in enumerate(reqs)]
         if gamma:
             self._rollback(reqs, [a for a, _ in results], ctx)
@@ -295,8 +302,12 @@ class Engine:
             r.metrics.record_iteration(a, seconds)
             if self._emit(r, drafts[b][:a] + [bonus]) and gamma:
                 extend.append((r, lens[b], drafts[b][:a] + [bonus], hidden[b, : a + 1]))
+        if pt is not None:
+            pt.mark("verify_ovh")
         if extend:
             self._extend(extend)
+        if pt is not None:
+            pt.mark("draft_ctx")
 
     def _accept(self, req: Request, drafts: list[int], qs: list, logits: torch.Tensor) -> tuple[int, int]:
         if req.params.greedy:
