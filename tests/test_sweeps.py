@@ -28,7 +28,7 @@ from wmtp.models.model import CausalLM
 PRESET = "tiny-qwen3.5-moe"
 TINY = ["--device", "cpu", "--preset", PRESET, "--page-size", "16", "--sink", "4", "--window", "32", "--warmup", "1"]
 SUITE = TINY + ["--contexts", "64,128", "--context", "128", "--depths", "2,3", "-d", "3", "--windows", "16,32",
-                "--runs", "2", "--iters", "3", "--k-iters", "2", "--batch-ladder", "1,2", "--kv-budget-gib", "0.0005"]
+                "--runs", "2", "--iters", "6", "--k-iters", "2", "--batch-ladder", "1,2", "--kv-budget-gib", "0.0005"]
 KINDS = ("context_sweep", "depth_sweep", "phases", "verify_by_k", "window_sweep", "batch_sweep", "memory")
 
 
@@ -73,14 +73,16 @@ def test_suite_shares_cells_between_sweeps(suite):
 
 
 def test_suite_phases_partition_t_iter(suite):
-    """The four phases add up to the timer's span exactly, and the span is T_iter within 5%."""
+    """The four phases add up to the timer's span exactly in every run, and the span is T_iter within
+    5% (pooled over runs: with 6 iterations a run, one preemption outside the span on this shared
+    CPU would dominate a single run; the dedicated phase-timer test checks each iteration)."""
     for r in _rows(suite, "phases"):
         assert r["draft_steps"] == r["d"] - 2  # γ − 1 draft steps; the extend is draft_ctx
         for run in range(2):
             parts = [r[f"t_{p}_s"][run] for p in PHASES]
             assert all(p > 0 for p in parts)
             assert sum(parts) == pytest.approx(r["t_span_s"][run], rel=1e-9)
-            assert abs(sum(parts) / r["t_iter_s"][run] - 1) < 0.05
+        assert abs(sum(r["t_span_s"]) / sum(r["t_iter_s"]) - 1) < 0.05
 
 
 def test_suite_verify_by_k_rows(suite):
@@ -126,6 +128,13 @@ def test_suite_memory_table(suite):
         assert sum(r["per_request_bytes"].values()) * r["max_admitted"] <= r["kv_budget_bytes"]
     mem = {(r["mode"], r["S"]): r["max_admitted"] for r in _rows(suite, "memory")}
     assert all(mem[m, 64] >= mem[m, 128] for m in ("dense", "native", "windowed"))
+
+
+def test_budget_below_one_request_names_the_option(tmp_path, capsys):
+    """600 tokens of native need target + draft pool (2 × 256 B/token); the budget holds 1.3 × 256 B/token."""
+    assert main(["bench", "memory", "--out", str(tmp_path), "--contexts", "600", "--batch-modes", "native",
+                 "-d", "3", "--kv-budget-gib", str(1.3 * 600 * 256 / 2**30)] + TINY) == 2
+    assert "--kv-budget-gib / --reserve-gib: a KV budget of" in capsys.readouterr().err
 
 
 def test_report_renders_the_suite(suite, tmp_path):

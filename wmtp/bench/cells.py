@@ -29,8 +29,9 @@ from wmtp.bench.step import _spec, _sync_time, release_pools
 from wmtp.bench.synthetic import add_synthetic_request, force_acceptance, randomize_pools
 from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.engine.engine import Engine
-from wmtp.engine.memory import MemoryManager
+from wmtp.engine.memory import CapacityError, MemoryManager
 from wmtp.engine.phases import PhaseTimer
+from wmtp.errors import WmtpError
 from wmtp.models.model import CausalLM
 
 
@@ -138,7 +139,11 @@ def open_cell(bench: Bench, cell: Cell, run: int, max_tokens: int, randomize: bo
                            page_size=a.page_size, kv_memory_bytes=bench.budget())
     else:
         cfg = EngineConfig(max_model_len=cell.S + max_tokens, max_num_seqs=1, page_size=a.page_size)
-    eng = Engine(bench.model, cell.spec, cfg)
+    try:
+        eng = Engine(bench.model, cell.spec, cfg)
+    except CapacityError as e:  # only a budget cell can be refused: the budget is below one request
+        raise WmtpError(f"--kv-budget-gib / --reserve-gib: a KV budget of {bench.budget()} bytes cannot seat one "
+                        f"request of {cell.label()}: {e}") from None
     try:
         if randomize:
             randomize_pools(eng, seed=run)

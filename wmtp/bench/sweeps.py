@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from wmtp.bench.cells import (
-    BatchLadder, Bench, Cell, CellRun, Measure, MemoryFill, Phases, TIter, VerifyByK, open_cell,
+    BatchLadder, Bench, Cell, Measure, MemoryFill, Phases, TIter, VerifyByK, open_cell,
 )
 from wmtp.engine.config import MODES
 from wmtp.errors import WmtpError
