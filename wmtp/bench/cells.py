@@ -229,7 +229,9 @@ def _phase_block(cr: CellRun, iters: int) -> tuple[list[float], list[dict[str, f
 @dataclass(frozen=True)
 class Phases(Measure):
     """Per-iteration phases at forced k (means over ``iters``: means add up, medians do not) and the
-    wall T_iter of the same iterations (its mean), for the within-5% sum check."""
+    wall T_iter of the same iterations (its mean), for the within-5% sum check. ``draft_steps`` is
+    γ − 1 by definition (DESIGN §2); ``marked_steps`` how many draft_fwd marks the engine made (the
+    same unless the draft loop is replayed as one CUDA graph with one mark)."""
 
     k: int = 3
     iters: int = 50
@@ -246,7 +248,8 @@ class Phases(Measure):
         mean = {p: statistics.fmean(it[p] for it in parts) for p in parts[0]}
         return {"t_verify_base_s": mean["verify_base"], "t_verify_ovh_s": mean["verify_ovh"],
                 "t_draft_ctx_s": mean["draft_ctx"], "t_draft_fwd_s": mean["draft_fwd"],
-                "draft_steps": int(parts[0]["steps"]), "t_iter_s": statistics.fmean(walls),
+                "draft_steps": cr.eng.spec.gamma - 1, "marked_steps": int(parts[0]["steps"]),
+                "t_iter_s": statistics.fmean(walls),
                 "t_span_s": mean["total"], "forced_accept": k}
 
 
