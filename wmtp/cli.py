@@ -170,17 +170,19 @@ register("generate", "generate text with dense / native / windowed MTP speculati
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
     from wmtp.bench.step import add_args
+    from wmtp.bench.sweeps import add_sweep_args
 
-    add_args(p)
+    add_sweep_args(add_args(p))
 
 
 def bench(a: argparse.Namespace) -> int:
-    from wmtp.bench.step import run
+    from wmtp.bench import step, sweeps
 
-    return run(a)
+    return step.run(a) if a.bench in ("step", "ttft") else sweeps.run(a)
 
 
-register("bench", "GPU benchmarks: decode-step cost per mode (synthetic context), TTFT", _bench_args, bench)
+register("bench", "benchmarks: decode-step cost per mode, TTFT, and the sweeps (synthetic context, forced "
+         "acceptance)", _bench_args, bench)
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -313,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # results files record the command
     if args.command is None:
         parser.print_help()
         return 0

@@ -297,17 +297,33 @@ def _plot_context(rep: Report, f: ResultFile, modes: list[str]) -> None:
             wedge.append(_shift(ratio_ci(nat["t_iter_s"], win["t_iter_s"]), -1.0))
     if xs:
         _errorbar(a2, xs, wedge, 100, color=colour("windowed"), label="step_native / step_windowed − 1")
-    for ax, yl in ((a1, "T_iter (ms)"), (a2, "cost-side saving (%)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context S (tokens)")
-        ax.set_ylabel(yl)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    _log2_panels(((a1, "T_iter (ms)"), (a2, "cost-side saving (%)")), [r["S"] for r in f.rows], "context S (tokens)")
     a1.set_title("per-iteration time vs context")
     a2.set_title("the windowing wedge (paper Fig. 3)")
     a2.axhline(0, color="k", lw=0.6)
     fig.suptitle(f"{f.meta['model']} · d={f.rows[0]['d']} · {_short_meta(f)}", fontsize=9)
     rep.figure(fig, f"context_wedge_{f.path.stem}.png", "Context wedge: T_iter and step_native/step_windowed − 1 vs S (mean ± 95% CI)")
+
+
+def _tokens(n: int) -> str:
+    """131072 -> '128K', 1040000 -> '1.04M', 96 -> '96' (tick labels)."""
+    if n >= 10**6:
+        return f"{n / 1e6:.3g}M"
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _log2_panels(panels: Iterable[tuple[object, str]], xs: list[int], xlabel: str) -> None:
+    """Style (axes, y label) panels sharing a log2 x axis ticked at the data (a few points rarely
+    straddle two powers of two), with grid and legend."""
+    ticks = sorted(set(xs))
+    for ax, yl in panels:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [_tokens(x) for x in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(yl)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
 
 
 def _short_meta(f: ResultFile) -> str:
@@ -347,6 +363,11 @@ def section_depth_sweep(rep: Report, f: ResultFile) -> None:
     _plot_depth(rep, f, fits)
 
 
+def _pm(value: float, se: float) -> str:
+    """'v ± se' in ms (3 significant digits; no ± when the SE is undefined)."""
+    return f"{value * 1e3:.3g}" + ("" if _nan(se) else f" ± {se * 1e3:.2g}")
+
+
 def _depth_table(rep: Report, f: ResultFile) -> None:
     modes, depths = _modes(f.rows), sorted({r["d"] for r in f.rows})
     table = []
@@ -374,8 +395,10 @@ def _plot_depth(rep: Report, f: ResultFile, fits: dict) -> None:
             fit = fits[m]
             xs = [min(used), max(used)]
             ax.plot(xs, [fit(x) * 1e3 for x in xs], color=colour(m),
-                    label=f"{m}: {fit.slope * 1e3:.3g} ms·γ + {fit.intercept * 1e3:.3g} ms (R²={fit.r2:.3f})")
+                    label=f"{m}: ({_pm(fit.slope, fit.se_slope)}) ms·γ + ({_pm(fit.intercept, fit.se_intercept)}) ms, "
+                          f"R²={fit.r2:.3f}")
     ax.set_xlabel("γ = d − 1 (draft forwards per iteration)")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("T_iter (ms)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -452,6 +475,7 @@ def section_verify_by_k(rep: Report, f: ResultFile) -> None:
         _errorbar(ax, [r["k"] + 0.06 * (i - 0.5) for r in rs], [mean_ci(r["t_verify_ovh_s"]) for r in rs], 1e3,
                   label=m, color=colour(m))
     ax.set_xlabel("accepted drafts k in the iteration")
+    ax.set_xticks(ks)
     ax.set_ylabel("t_verify_ovh (ms)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -468,10 +492,39 @@ def section_window_sweep(rep: Report, f: ResultFile) -> None:
         tpot = ratio_ci(r["t_iter_s"], r["al"]) if r.get("al") else None
         speed = (ratio_ci(native["t_iter_s"], native["al"]).mean / tpot.mean
                  if tpot and native and native.get("al") else None)
-        rows.append([r["W"], r["sink"], r["d"], r["S"], fmt_ci(t, 1e3), fmt_ci(mean_ci(r["al"])) if r.get("al") else "–",
-                     fmt_ci(tpot, 1e3) if tpot else "–", f"{speed:.3f}×" if speed else "–"])
-    rep.add("TPOT = T_iter / AL per run; speedup = TPOT_native / TPOT_W (ratio of means).", "")
-    rep.table(["W", "sink", "d", "S", "T_iter ms", "AL", "TPOT ms", "speedup vs native"], rows)
+        cost = ratio_ci(native["t_iter_s"], r["t_iter_s"]) if native and r is not native else None
+        rows.append([r["W"], r["sink"], r["d"], r["S"], fmt_ci(t, 1e3),
+                     fmt_ci(cost, 1, 3) if cost else ("reference" if r is native else "–"),
+                     fmt_ci(mean_ci(r["al"])) if r.get("al") else "–", fmt_ci(tpot, 1e3) if tpot else "–",
+                     f"{speed:.3f}×" if speed else "–"])
+    rep.add("Cost side: T_native / T_W with a 95% CI (delta method; acceptance cancels). TPOT = T_iter / AL per run; "
+            "speedup = TPOT_native / TPOT_W (ratio of means; needs measured AL).", "")
+    rep.table(["W", "sink", "d", "S", "T_iter ms", "T_native / T_W", "AL", "TPOT ms", "speedup vs native"], rows)
+    _plot_window(rep, f, native)
+
+
+def _plot_window(rep: Report, f: ResultFile, native: dict | None) -> None:
+    plt = _plt()
+    rs = sorted((r for r in f.rows if r["W"] != "native"), key=lambda r: r["W"])
+    if not rs:
+        return
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    xs = [r["W"] + r["sink"] for r in rs]
+    _errorbar(a1, xs, [mean_ci(r["t_iter_s"]) for r in rs], 1e3, color=colour("windowed"), label="windowed")
+    if native:
+        c = mean_ci(native["t_iter_s"])
+        a1.axhline(c.mean * 1e3, color=colour("native"), label="native (every key)")
+        if not _nan(c.half):
+            a1.axhspan(c.lo * 1e3, c.hi * 1e3, color=colour("native"), alpha=0.15)
+        _errorbar(a2, xs, [ratio_ci(native["t_iter_s"], r["t_iter_s"]) for r in rs], 1, color=colour("windowed"),
+                  label="T_native / T_W (cost side)")
+        a2.axhline(1, color="k", lw=0.6)
+    _log2_panels(((a1, "T_iter (ms)"), (a2, "T_native / T_W")), xs, "draft keys read: W + sink")
+    a1.set_title("per-iteration time vs draft window")
+    a2.set_title("cost-side speedup over native (> 1: windowing is cheaper)")
+    fig.suptitle(f"{f.meta['model']} · d={rs[0]['d']} · S={rs[0]['S']} · {_short_meta(f)}", fontsize=9)
+    rep.figure(fig, f"window_{f.path.stem}.png", "Window dose-response (cost side): T_iter vs W + sink, native as a band; "
+               "T_native / T_W (mean ± 95% CI)")
 
 
 def section_batch_sweep(rep: Report, f: ResultFile) -> None:
@@ -479,6 +532,9 @@ def section_batch_sweep(rep: Report, f: ResultFile) -> None:
     rows = [[r["mode"], r["d"], r["B"], r["admitted"], fmt_ci(mean_ci(r["per_user_tok_s"]), 1, 1),
              fmt_ci(mean_ci(r["system_tok_s"]), 1, 1)] for r in sorted(f.rows, key=lambda r: (r["mode"], r["d"], r["B"]))]
     rep.table(["mode", "d", "B", "admitted", "per-user tok/s", "system tok/s"], rows)
+    most = _max_admitted(f.rows)
+    rep.add("Most requests seated at once (the memory ceiling of each curve): "
+            + ", ".join(f"{m} d={d}: {n}" for (m, d), n in most.items()), "")
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     markers = "osD^vP*X"
@@ -488,16 +544,31 @@ def section_batch_sweep(rep: Report, f: ResultFile) -> None:
         rs = sorted((r for r in f.rows if r["mode"] == m and r["d"] == d), key=lambda r: r["B"])
         xs = [mean_ci(r["per_user_tok_s"]).mean for r in rs]
         ys = [mean_ci(r["system_tok_s"]).mean for r in rs]
+        name = m if m == "dense" else f"{m} d={d}"
         ax.plot(xs, ys, marker=markers[depths.index(d) % len(markers)], color=colour(m), ms=5,
-                label=m if m == "dense" else f"{m} d={d}", alpha=0.9)
+                label=f"{name} (max admitted {most[m, d]})", alpha=0.9)
         for r, x, y in zip(rs, xs, ys):
             ax.annotate(f"B={r['B']}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7, color=colour(m))
+        top = max(zip(rs, xs, ys), key=lambda p: p[0]["admitted"])
+        if top[0]["admitted"] == most[m, d]:  # ring the point at the memory ceiling
+            ax.scatter([top[1]], [top[2]], s=140, facecolors="none", edgecolors=colour(m), linewidths=1.5, zorder=3)
     ax.set_xlabel("per-user decode speed (tok/s/user)")
     ax.set_ylabel("system throughput (tok/s)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(f"Throughput-latency Pareto (up and right is better) · {f.meta['model']}", fontsize=9)
-    rep.figure(fig, f"pareto_{f.path.stem}.png", "Pareto: per-user vs system throughput per mode and depth, labelled by batch size B (means over runs)")
+    rep.figure(fig, f"pareto_{f.path.stem}.png", "Pareto: per-user vs system throughput per mode and depth, labelled by batch size B (means over runs); "
+               "ringed: the largest batch the pools seat")
+
+
+def _max_admitted(rows: list[dict]) -> dict[tuple[str, int], int]:
+    """(mode, d) -> most requests seated at once: the rows' ``max_admitted`` (batch sweeps record
+    it) or else the largest ``admitted``."""
+    out: dict[tuple[str, int], int] = {}
+    for r in rows:
+        key = (r["mode"], r["d"])
+        out[key] = max(out.get(key, 0), r.get("max_admitted", r["admitted"]))
+    return out
 
 
 def section_memory(rep: Report, f: ResultFile) -> None:
@@ -506,12 +577,17 @@ def section_memory(rep: Report, f: ResultFile) -> None:
     for r in f.rows:
         draft = r["draft_ring_bytes"] if str(r["mode"]).startswith("windowed") and r["draft_ring_bytes"] else r["draft_pool_bytes"]
         kv = r["target_kv_bytes"] + draft
+        full = r.get("full_attention_layers")
+        per_req = sum(r["per_request_bytes"].values()) / mib if r.get("per_request_bytes") else None
         rows.append([r["mode"], r["S"], r["d"], r["max_total_tokens"], fmt(r["target_kv_bytes"] / mib, 1),
                      fmt(r["draft_pool_bytes"] / mib, 1), fmt(r["draft_ring_bytes"] / mib, 2), fmt(r["state_bytes"] / mib, 1),
-                     f"{100 * draft / kv:.2f}%" if kv else "–", r["max_admitted"]])
-    rep.add("MiB. Draft share = draft KV in use (ring for windowed, else the pool) / (target KV + draft KV).", "")
+                     f"{100 * draft / kv:.2f}%" if kv else "–", f"{100 / (full + 1):.2f}%" if full else "–",
+                     fmt(per_req, 2), r["max_admitted"]])
+    rep.add("MiB. Draft share = draft KV in use (ring for windowed, else the pool) / (target KV + draft KV); a "
+            "full-length draft pool holds 1/(F+1) of the KV (F = target full-attention layers, DESIGN §4). Per request "
+            "= what one request reserves in all pools.", "")
     rep.table(["mode", "S", "d", "max_total_tokens", "target KV", "draft pool", "draft ring", "states",
-               "draft share", "max admitted"], rows)
+               "draft share", "1/(F+1)", "per request", "max admitted"], rows)
 
 
 def section_acceptance(rep: Report, f: ResultFile) -> None:

@@ -42,12 +42,27 @@ def release_pools(model) -> None:
     torch.cuda.empty_cache()
 
 
-def _sync_time(fn) -> float:
-    torch.cuda.synchronize()
+def _sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _sync_time(fn, device: torch.device | str = "cuda") -> float:
+    """Wall time of ``fn()`` with the device idle before and after (CPU ops are synchronous)."""
+    _sync(device)
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    _sync(device)
     return time.perf_counter() - t0
+
+
+def hardware_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"1x {torch.cuda.get_device_name(device)}"
+    import platform
+
+    return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def time_mode(model, mode: str, a: argparse.Namespace, bandwidth: float) -> dict:
@@ -166,11 +181,12 @@ def admission(model, mode: str, a: argparse.Namespace) -> dict:
             "pools": mem, "per_request_bytes": per_req, "step_s": t}
 
 
-def _meta(a: argparse.Namespace, synthetic: bool) -> dict:
+def _meta(a: argparse.Namespace, synthetic: bool, runs: int = 1) -> dict:
+    argv = getattr(a, "argv", None) or sys.argv[1:]  # cli.main records its argv (tests call it in-process)
     return {
-        "hardware": torch.cuda.get_device_name(), "model": a.preset, "dtype": "bfloat16", "synthetic": synthetic,
-        "runs": 1, "command": "wmtp " + " ".join(sys.argv[1:]), "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
+        "hardware": hardware_name(getattr(a, "device", "cuda")), "model": a.preset,
+        "dtype": getattr(a, "dtype", None) or "bfloat16", "synthetic": synthetic, "runs": runs,
+        "command": "wmtp " + " ".join(argv), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
     }
 
 
@@ -245,7 +261,8 @@ def run_ttft(a: argparse.Namespace) -> int:
     return 0
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    """``step`` and ``ttft``; returns the sub-parsers so the sweeps can add theirs."""
     sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name, help in (("step", "T_iter per mode at S tokens (synthetic context, forced acceptance)"),
                        ("ttft", "TTFT of a real chunked prefill, per mode")):
@@ -274,6 +291,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         else:
             s.add_argument("--tokens", type=int, default=131_072)
             s.add_argument("--chunk", type=int, default=8192)
+    return sub
 
 
 def run(a: argparse.Namespace) -> int:

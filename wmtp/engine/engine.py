@@ -91,6 +91,7 @@ class Engine:
         self.graphs: dict[int, DecodeGraphs] = {}  # decode graphs per batch size, built on first use
         self._graph_mode = self._resolve_graph_mode()
         self._graph_pool = torch.cuda.graph_pool_handle() if self._graph_mode == "capture" else None
+        self.phase_timer = None  # benchmark-only PhaseTimer (wmtp/engine/phases.py); None costs nothing
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams) -> int:
@@ -275,6 +276,8 @@ class Engine:
         if graphs is not None:
             return self._iteration_static(reqs, graphs)
         t0 = time.perf_counter()
+        if (pt := self.phase_timer) is not None:
+            pt.start()
         gamma, d = self.spec.gamma, self.spec.verify_tokens
         lens = [len(r.tokens) for r in reqs]
         drafts = [[r.draft_token] for r in reqs] if gamma else [[] for _ in reqs]
@@ -291,12 +294,16 @@ class Engine:
                     tok, q = self._sample_draft(r, logits[b : b + 1], lens[b] + i)
                     drafts[b].append(tok)
                     qs[b].append(q)
+                if pt is not None:
+                    pt.mark("draft_fwd")
         # verify: [x_{L-1}, d_1..d_γ] at positions L-1..L+γ-1, one forward for the batch
         ids = torch.tensor([t for r, dr in zip(reqs, drafts) for t in [r.tokens[-1], *dr]], device=self.device)
         ctx = self._target_ctx(reqs, [L - 1 for L in lens], [d] * len(reqs), record=gamma > 0)
         hidden = self.model(ids, ctx)
         logits = self.model.compute_logits(hidden).view(len(reqs), d, -1)
         hidden = hidden.view(len(reqs), d, -1)
+        if pt is not None:
+            pt.mark("verify_base")
         results = [self._accept(r, drafts[b], qs[b], logits[b]) for b, r in enumerate(reqs)]
         if gamma:
             self._rollback(reqs, [a for a, _ in results], ctx)
@@ -307,8 +314,12 @@ class Engine:
             r.metrics.record_iteration(a, seconds)
             if self._emit(r, drafts[b][:a] + [bonus]) and gamma:
                 extend.append((r, lens[b], drafts[b][:a] + [bonus], hidden[b, : a + 1]))
+        if pt is not None:
+            pt.mark("verify_ovh")
         if extend:
             self._extend(extend)
+        if pt is not None:
+            pt.mark("draft_ctx")
 
     def _accept(self, req: Request, drafts: list[int], qs: list, logits: torch.Tensor) -> tuple[int, int]:
         if self.forced_accept is not None:
@@ -382,9 +393,17 @@ class Engine:
         """``_iteration`` for greedy batches, from static buffers: one host sync (drafts and target
         argmax), acceptance on the host, then rollback + draft-extend on the device."""
         t0 = time.perf_counter()
+        if (pt := self.phase_timer) is not None:
+            pt.start()
         lens = [len(r.tokens) for r in reqs]
         graphs.prepare(reqs, lens)
-        graphs.run_draft_verify()
+        if self.spec.gamma:
+            graphs.run("chain")
+            if pt is not None:
+                pt.mark("draft_fwd")
+        graphs.run("verify")
+        if pt is not None:
+            pt.mark("verify_base")
         drafts, target = graphs.results()
         accepted, emitted = [], []
         for dr, tg in zip(drafts, target):
@@ -397,11 +416,21 @@ class Engine:
         for r, a, toks in zip(reqs, accepted, emitted):
             r.metrics.record_iteration(a, seconds)
             live.append(self._emit(r, toks))
-        if self.spec.gamma:
-            d1 = graphs.run_post(reqs, lens, accepted, emitted, live)
-            for b, (r, ok) in enumerate(zip(reqs, live)):
-                if ok:
-                    r.draft_token, r.draft_q, r.draft_hidden = d1[b], None, graphs.next_hidden[b : b + 1]
+        if not self.spec.gamma:
+            if pt is not None:
+                pt.mark("verify_ovh")
+            return
+        graphs.prepare_post(reqs, lens, accepted, emitted, live)
+        graphs.run("rollback")
+        if pt is not None:
+            pt.mark("verify_ovh")
+        graphs.run("extend")
+        d1 = graphs.next_d1.tolist()
+        for b, (r, ok) in enumerate(zip(reqs, live)):
+            if ok:
+                r.draft_token, r.draft_q, r.draft_hidden = d1[b], None, graphs.next_hidden[b : b + 1]
+        if pt is not None:
+            pt.mark("draft_ctx")
 
     # ---- draft helpers -------------------------------------------------------------------------
     def _set_draft(self, req: Request, mtp_out: torch.Tensor) -> None:

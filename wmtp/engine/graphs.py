@@ -7,14 +7,15 @@ Each set holds three forwards over fixed shapes, replayed in order every iterati
 - ``verify``: the target forward over [x_{L−1}, d_1..d_γ] per request (the drafts are copied into
   its ids on the device, so chain → verify needs no host round trip) and the target's argmax
   [B, d]; the GDN layers record their per-token states.
-- ``post``: the GDN rollback to each request's accepted prefix, then the draft-extend over slots
-  L−1..L−1+a with the target's true hidden states, padded to d rows per request (padding rows
-  write the pool's trash slot and are never read), which gives the next d_1 and MTP output.
+- ``rollback``: the GDN states of each request back to its accepted prefix (hybrid targets).
+- ``extend``: the draft-extend over slots L−1..L−1+a with the target's true hidden states,
+  padded to d rows per request (padding rows write the pool's trash slot and are never read),
+  which gives the next d_1 and MTP output.
 
 Dense mode (γ = 0) has only ``verify``, with d = 1.
 
 Invariants: every per-iteration input sits in static device buffers that the host refills with
-two host-to-device copies per iteration (before ``chain`` and before ``post``); captured code
+two host-to-device copies per iteration (before ``chain`` and before ``rollback``); captured code
 reads no host value that changes between replays; host work per iteration is O(B·d), whatever
 the context length (block-table rows are copied only when the batch's requests change).
 With ``capture=False`` the same functions run eagerly (CPU tests): a replay is then a call.
@@ -65,8 +66,8 @@ class _Staging:
 
 class DecodeGraphs:
     """The static buffers, contexts and (optionally captured) graphs for batches of ``B`` greedy
-    requests of one engine. Build with ``DecodeGraphs(engine, B)``; run one iteration with
-    ``prepare`` → ``run_draft_verify`` → ``results`` → ``run_post``."""
+    requests of one engine. One iteration: ``prepare``, ``run("chain")``, ``run("verify")``,
+    ``results``, ``prepare_post``, ``run("rollback")``, ``run("extend")``."""
 
     def __init__(self, engine: Engine, batch: int, capture: bool, pool=None) -> None:
         self.eng, self.B = engine, batch
@@ -99,7 +100,7 @@ class DecodeGraphs:
         self.graphs: dict[str, Callable[[], None]] = {}
         fns = {"verify": self._verify}
         if self.gamma:
-            fns.update(chain=self._chain, post=self._post)
+            fns.update(chain=self._chain, rollback=self._rollback, extend=self._extend)
         for name, fn in fns.items():
             self.graphs[name] = self._capture(fn, pool) if capture else fn
 
@@ -181,10 +182,14 @@ class DecodeGraphs:
         self.target.copy_(model.compute_logits(hidden).argmax(-1).view(self.B, self.d))
 
     @torch.no_grad()
-    def _post(self) -> None:
-        model, b = self.eng.model, self.stage_b
+    def _rollback(self) -> None:
+        b = self.stage_b
         if self.ver_ctx.recorded:
-            model.rollback_states(b.view("roll_state"), b.view("accepted"), self.ver_ctx.recorded)
+            self.eng.model.rollback_states(b.view("roll_state"), b.view("accepted"), self.ver_ctx.recorded)
+
+    @torch.no_grad()
+    def _extend(self) -> None:
+        model, b = self.eng.model, self.stage_b
         out = model.mtp_forward(b.view("ext_ids").view(-1), self.ver_hidden, self.ext_ctx)
         last = out[b.view("ext_last")]
         self.next_hidden.copy_(last)
@@ -244,19 +249,18 @@ class DecodeGraphs:
             a.set("state", [r.alloc.state_slot for r in reqs])
         a.upload()
 
-    def run_draft_verify(self) -> None:
-        if self.gamma:
-            self.graphs["chain"]()
-        self.graphs["verify"]()
+    def run(self, name: str) -> None:
+        """Replay (or, uncaptured, call) one of the forwards."""
+        self.graphs[name]()
 
     def results(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(drafts [B, γ], target argmax [B, d]) on the host: the iteration's one sync."""
         both = torch.cat([self.drafts, self.target], dim=1).cpu()
         return both[:, : self.gamma], both[:, max(self.gamma, 1) :]
 
-    def run_post(self, reqs: list[Request], lens: list[int], accepted: list[int], emitted: list[list[int]],
-                 live: list[bool]) -> list[int]:
-        """Rollback + draft-extend over each live request's ``emitted`` tokens; returns the next d_1."""
+    def prepare_post(self, reqs: list[Request], lens: list[int], accepted: list[int], emitted: list[list[int]],
+                     live: list[bool]) -> None:
+        """Stage the rollback to ``accepted`` and the draft-extend over each live request's ``emitted``."""
         b, d, mem = self.stage_b, self.d, self.eng.memory
         ids, pos, slots, lengths, last = [], [], [], [], []
         for i, (r, L, toks, ok) in enumerate(zip(reqs, lens, emitted, live)):
@@ -276,8 +280,6 @@ class DecodeGraphs:
             b.set("roll_state", [r.alloc.state_slot if ok else mem.trash_state_slot
                                  for r, ok in zip(reqs, live)])
         b.upload()
-        self.graphs["post"]()
-        return self.next_d1.tolist()
 
 
 def _paged_slot(pages: list[int], pos: int, page_size: int) -> int:
