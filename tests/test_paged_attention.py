@@ -51,7 +51,7 @@ def _case(seed: int, heads: int, kv_heads: int, dim: int, q_lens: list[int], sta
     return q, k, v, k_cache, v_cache, ctx
 
 
-def _compare(case, splits=None, atol=2e-5):
+def _compare(case, splits=None, atol=2e-5, **launch):
     q, k, v, k_cache, v_cache, ctx = case
     scale = q.shape[-1] ** -0.5
     want = TorchBackend().attention(q, k, v, k_cache, v_cache, ctx, scale)  # also writes k, v
@@ -62,7 +62,7 @@ def _compare(case, splits=None, atol=2e-5):
     else:
         ctx.kv_slots = PagedSlots(dev(ctx.kv_slots.block_table), ctx.kv_slots.page_size)
     meta = AttentionMeta.from_context(ctx, torch.device(DEVICE))
-    got = paged_attention(dev(q), dev(k_cache), dev(v_cache), meta, scale, num_splits=splits)
+    got = paged_attention(dev(q), dev(k_cache), dev(v_cache), meta, scale, num_splits=splits, **launch)
     err = (got.float().cpu() - want.float()).abs().max().item()
     assert err < atol, f"max |triton - torch| = {err}"
     return err
@@ -77,6 +77,13 @@ def test_decode_and_verify_paged(heads, kv_heads, splits):
     """Target decode/verify: q_len 1..5 per request over scattered pages, no window."""
     case = _case(0, heads, kv_heads, 16, q_lens=[1, 5, 3], starts=[40, 7, 90], windows=[None] * 3, ring=False)
     _compare(case, splits)
+
+
+@pytest.mark.parametrize("block_n,num_warps,num_stages", [(16, 4, 1), (32, 8, 3)])
+def test_launch_overrides_keep_the_result(block_n, num_warps, num_stages):
+    """The tuning knobs change tiling only: the split boundaries follow BLOCK_N, the numbers do not."""
+    case = _case(0, 8, 2, 32, q_lens=[7, 1], starts=[100, 33], windows=[None] * 2, ring=False)
+    _compare(case, 3, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
 @pytest.mark.parametrize("splits", [1, 4])

@@ -284,7 +284,8 @@ def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
             s.add_argument("--accept", type=int, default=3, help="forced accepted drafts per iteration")
             s.add_argument("--kernels", action="store_true", help="also the attention micro-benchmarks")
             s.add_argument("--admission", action="store_true", help="also how many S-token requests fit")
-            s.add_argument("--reserve-gib", type=float, default=6.0, help="left free for activations")
+            s.add_argument("--reserve-gib", type=float, default=16.0,
+                           help="left free for activations and decode graphs (6 GiB ran out in the 1M batch sweep)")
             s.add_argument("--heads", type=int, default=16)
             s.add_argument("--kv-heads", type=int, default=2)
             s.add_argument("--head-dim", type=int, default=256)

@@ -443,7 +443,8 @@ def _options(p: argparse.ArgumentParser, suite: bool) -> None:
     p.add_argument("--max-batch", type=int, default=64, help="cap on requests seated at once (batch, memory)")
     p.add_argument("--kv-budget-gib", type=float, default=None,
                    help="KV budget of batch/memory (default on CUDA: free memory − --reserve-gib; required on CPU)")
-    p.add_argument("--reserve-gib", type=float, default=6.0, help="left free for activations")
+    p.add_argument("--reserve-gib", type=float, default=16.0,
+                   help="left free for activations and decode graphs (6 GiB ran out in the 1M batch sweep)")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds: start no engine that would likely end past it (finished sweeps are written)")
     p.add_argument("--resume", action="store_true",

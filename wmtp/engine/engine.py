@@ -5,6 +5,8 @@ Per request, between iterations: committed tokens x_0..x_{L-1}; the target has s
 first draft token d_1 and the MTP output at slot L-2 are in hand. One iteration: γ−1 draft steps,
 one verify forward of d = γ+1 tokens, acceptance + bonus, GDN rollback, draft-extend over the
 accepted slots with the target's true hidden states (which also yields the next d_1).
+Greedy batches run the same iteration from static buffers replayed as CUDA graphs
+(``wmtp.engine.graphs``); sampling batches, and any device without graphs, run it eagerly.
 """
 
 from __future__ import annotations

@@ -211,10 +211,14 @@ def paged_attention(
     scale: float,
     num_splits: int | None = None,
     block_n: int = 64,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over the cached keys (already written). Returns [T, H, D].
 
-    ``num_splits`` (default: enough programs for ~4 waves of the GPU) cuts each request's keys.
+    ``num_splits`` (default: enough programs for ~4 waves of the GPU) cuts each request's keys;
+    ``block_n`` / ``num_warps`` / ``num_stages`` override the launch configuration (tuning runs,
+    ``benchmarks/tune_attention.py``).
     """
     if triton is None:
         raise RuntimeError("paged_attention needs triton (pip install 'wmtp[gpu]' or triton==3.6.0)")
@@ -253,7 +257,8 @@ def paged_attention(
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, RING=meta.ring, SPLIT=split,
         IEEE=q.dtype == torch.float32,
         # a [64, 256] fp32 accumulator spills at 4 warps; small tiles (decode) are faster at 4 (H200)
-        num_warps=8 if D >= 256 and block_q * group_p >= 64 else 4,
+        num_warps=num_warps or (8 if D >= 256 and block_q * group_p >= 64 else 4),
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if split:
         block_d = min(D, 64)
