@@ -301,7 +301,7 @@ def test_report_acceptance_al_consistency(tmp_path):
     build_report(tmp_path)
     text = (tmp_path / "REPORT.md").read_text()
     rows = [l.split(" | ") for l in text.splitlines() if l.startswith("| niah_mq") or l.startswith("| fwe")]
-    assert rows and all(r[5] == r[6] for r in rows)  # AL measured == AL rebuilt from α_j
+    assert rows and all(r[6] == r[7] for r in rows)  # AL measured == AL rebuilt from α_j (after the sink column)
 
 
 def test_report_schema_errors_and_run_warnings(tmp_path):

@@ -169,30 +169,51 @@ def window_probe(
 ) -> ProbeResult:
     """Decision-invariance and attention-mass probe of the draft at slots ``first``..T−2 of ``token_ids``
     (slots before ``first`` only get their K/V written, as the draft prefill does)."""
+    ids = _probe_ids(model, token_ids, first)
+    with model.private_cache(1, ids.numel()) as cache:
+        hidden = target_hidden(model, cache, ids, prefill_chunk)
+    return window_probes_from_hidden(model, ids, hidden, [window], first, layer_idx)[0]
+
+
+def _probe_ids(model, token_ids: Sequence[int] | torch.Tensor, first: int) -> torch.Tensor:
     if model.mtp is None:
         raise ValueError("window_probe: the model has no MTP head")
     device = model.model.embed_tokens.weight.device
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=device).reshape(-1)
-    n = ids.numel() - 1
-    if not 0 <= first < n:
+    if not 0 <= first < ids.numel() - 1:
         raise ValueError(f"window_probe: need 0 <= first < T - 1 (got first={first}, T={ids.numel()})")
+    return ids
+
+
+@torch.no_grad()
+def window_probes_from_hidden(
+    model, token_ids: Sequence[int] | torch.Tensor, hidden: torch.Tensor, windows: Sequence[DraftWindow],
+    first: int = 0, layer_idx: int = 0,
+) -> list[ProbeResult]:
+    """``window_probe`` for several windows given the target's final hiddens h_0..h_{T−1} (e.g. kept
+    from an engine prefill): the full-key draft step runs once, then one windowed step per window."""
+    ids = _probe_ids(model, token_ids, first)
+    n, device = ids.numel() - 1, ids.device
     attn = model.mtp.layers[layer_idx].self_attn
+    positions = list(range(first, n))
+    out = []
     with model.private_cache(1, ids.numel()) as cache:
-        hidden = target_hidden(model, cache, ids, prefill_chunk)
         if first:
             model.mtp_write_kv(ids[1 : first + 1], hidden[:first], cache.context([0], [first]), layer_idx)
         logits_full, (q, _, _, scale, _) = draft_step_at(model, cache, ids, hidden, first, None, layer_idx)
-        logits_win, _ = draft_step_at(model, cache, ids, hidden, first, window, layer_idx)
         keys = cache.kv_slots.slots(0, torch.arange(n, device=device))
-        z_far, change, _, _ = attention_mass(q, attn.k_cache[keys], attn.v_cache[keys], scale, window, first)
-    positions = list(range(first, n))
-    return ProbeResult(
-        sink=window.sink,
-        window=window.window,
-        positions=positions,
-        affected=[window.recent_start(p) > window.sink for p in positions],  # the window hides >= 1 key
-        agree=(logits_full.argmax(-1) == logits_win.argmax(-1)).cpu().tolist(),
-        margin=top_margin(logits_full).cpu().tolist(),
-        z_far=z_far.cpu().tolist(),
-        readout_change=change.cpu().tolist(),
-    )
+        k, v = attn.k_cache[keys], attn.v_cache[keys]
+        for window in windows:
+            logits_win, _ = draft_step_at(model, cache, ids, hidden, first, window, layer_idx)
+            z_far, change, _, _ = attention_mass(q, k, v, scale, window, first)
+            out.append(ProbeResult(
+                sink=window.sink,
+                window=window.window,
+                positions=positions,
+                affected=[window.recent_start(p) > window.sink for p in positions],  # the window hides >= 1 key
+                agree=(logits_full.argmax(-1) == logits_win.argmax(-1)).cpu().tolist(),
+                margin=top_margin(logits_full).cpu().tolist(),
+                z_far=z_far.cpu().tolist(),
+                readout_change=change.cpu().tolist(),
+            ))
+    return out

@@ -600,12 +600,13 @@ def section_acceptance(rep: Report, f: ResultFile) -> None:
         al_rebuilt = acceptance_length_from_alphas([a.alpha for a in alphas])
         per_run = r.get("al") or [acceptance_length(h) for h in r["hists"]]
         cells = [f"{a.alpha:.3f} [{a.lo:.2f}, {a.hi:.2f}]" if a.n else "–" for a in alphas]
-        rows.append([r["task"], r["mode"], r["W"] if r["W"] is not None else "full", r["d"], sum(pooled),
+        rows.append([r["task"], r["mode"], r["sink"] if r["W"] is not None else "–",
+                     r["W"] if r["W"] is not None else "full", r["d"], sum(pooled),
                      fmt(acceptance_length(pooled), 3), fmt(al_rebuilt, 3), fmt_ci(mean_ci(per_run), 1, 3)]
                     + cells + ["–"] * (gamma - len(cells)))
     rep.add("α_j pooled over runs with Wilson 95% intervals; AL (pooled) is measured from H[n], AL(α) is "
             "rebuilt as 1 + Σ_j Π_{i≤j} α_i (the two must agree); AL runs = mean ± 95% CI over runs.", "")
-    rep.table(["task", "mode", "W", "d", "iterations", "AL (pooled)", "AL(α)", "AL runs"]
+    rep.table(["task", "mode", "sink", "W", "d", "iterations", "AL (pooled)", "AL(α)", "AL runs"]
               + [f"α_{j}" for j in range(1, gamma + 1)], rows)
     _plot_alphas(rep, f)
 
@@ -622,7 +623,7 @@ def _plot_alphas(rep: Report, f: ResultFile) -> None:
             xs = [a.j + off for a in alphas]
             ys = [a.alpha for a in alphas]
             err = [[a.alpha - a.lo for a in alphas], [a.hi - a.alpha for a in alphas]]
-            w = "full" if r["W"] is None else f"W={r['W']}"
+            w = "full" if r["W"] is None else f"W={r['W']}, sink={r['sink']}"
             ax.errorbar(xs, ys, yerr=err, capsize=3, marker="o", ms=4, color=colour(r["mode"]),
                         label=f"{r['mode']} ({w}, d={r['d']})", alpha=0.9 if i < 3 else 0.6)
         ax.set_ylim(0, 1.02)
