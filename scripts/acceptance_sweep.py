@@ -85,14 +85,16 @@ def probe_rows(model, snap: PrefillSnapshot, slots: int) -> list[dict]:
     return [r.summary() for r in res]
 
 
-def decode_configs(model, snap: PrefillSnapshot, specs: dict[str, SpecConfig], params: SamplingParams) -> dict:
-    n, out = len(snap.prompt), {}
+def decode_configs(model, snap: PrefillSnapshot, specs: dict[str, SpecConfig], params: SamplingParams,
+                   rec: dict, path: Path) -> None:
+    """Decode every config into ``rec["configs"]``, saving the record after each (resumable)."""
+    n = len(snap.prompt)
     for name, spec in specs.items():
         run = run_fork(model, snap, spec, params)
-        out[name] = config_record(spec, run, n)
+        rec["configs"][name] = config_record(spec, run, n)
+        path.write_text(json.dumps(rec))
         print(f"  {name:16s} AL {1 + sum(k * h for k, h in enumerate(run.hist)) / max(sum(run.hist), 1):.3f} "
               f"H {run.hist} {run.seconds:.1f}s", flush=True)
-    return out
 
 
 def process(model, name: str, workload: dict, specs: dict[str, SpecConfig], a: argparse.Namespace,
@@ -117,9 +119,9 @@ def process(model, name: str, workload: dict, specs: dict[str, SpecConfig], a: a
                "dense": {"tokens": dense.tokens, "seconds": round(dense.seconds, 2)}, "configs": {}}
         if a.probe_slots:
             rec["probes"] = probe_rows(model, snap, a.probe_slots)
-    rec["configs"].update(decode_configs(model, snap, todo, params))
-    rec["total_s"] = round(rec.get("total_s", 0) + time.perf_counter() - t0, 1)
     path.parent.mkdir(parents=True, exist_ok=True)
+    decode_configs(model, snap, todo, params, rec, path)
+    rec["total_s"] = round(rec.get("total_s", 0) + time.perf_counter() - t0, 1)
     path.write_text(json.dumps(rec))
     print(f"{name}: done in {time.perf_counter() - t0:.0f}s", flush=True)
 
