@@ -614,8 +614,13 @@ def section_acceptance(rep: Report, f: ResultFile) -> None:
 def _plot_alphas(rep: Report, f: ResultFile) -> None:
     plt = _plt()
     tasks = list(dict.fromkeys(r["task"] for r in f.rows))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.8 * len(tasks), 3.8), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
+    cols = min(3, len(tasks))  # wrap panels so a large grid stays legible
+    nrows = -(-len(tasks) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.8 * cols, 3.8 * nrows), squeeze=False)
+    fig.subplots_adjust(hspace=0.4)
+    for ax in axes.flat[len(tasks):]:
+        ax.set_visible(False)
+    for ax, task in zip(axes.flat, tasks):
         rs = [r for r in f.rows if r["task"] == task]
         for i, r in enumerate(rs):
             alphas = [a for a in alpha_intervals([sum(c) for c in zip(*r["hists"])]) if a.n]
