@@ -1,7 +1,9 @@
 """Profile engine iterations at long synthetic context (torch.profiler): where T_iter goes.
-Decode iterations run eagerly here (``decode_graphs="off"``) so every kernel shows under its own
-name; the GPU work is what the graphs replay. ``--prefill N`` profiles a real N-token chunked
-prefill (TTFT) instead.
+Decode iterations run eagerly (``--graphs off``, the default) or replay their CUDA graphs
+(``--graphs auto``: CUPTI still records every kernel inside the graphs). Besides torch's tables it
+writes a per-iteration kernel summary: how many kernels, their summed time, the time the GPU was
+busy and the span, so launch gaps and slow kernels can be told apart. ``--prefill N`` profiles a
+real N-token chunked prefill (TTFT) instead.
 
     python benchmarks/profile_step.py --modes native --context 1040000 --out prof.txt
     python benchmarks/profile_step.py --modes native,windowed --prefill 32768 --out prof_prefill.txt
@@ -29,6 +31,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1_040_000)
     ap.add_argument("-d", type=int, default=7)
     ap.add_argument("--prefill", type=int, default=0, help="profile a real prefill of this many tokens")
+    ap.add_argument("--graphs", default="off", choices=("off", "auto"))
+    ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     model = wmtp.load_model(a.preset, device="cuda", dtype="bfloat16", backend="triton")
@@ -37,7 +41,7 @@ def main() -> None:
             spec = _spec(mode, a.d, 4032, 64)
             length = max(a.context, a.prefill) + 200
             eng = Engine(model, spec, EngineConfig(max_model_len=length, max_num_seqs=1, page_size=64,
-                                                   prefill_chunk=8192, decode_graphs="off"))
+                                                   prefill_chunk=8192, decode_graphs=a.graphs))
             if a.prefill:
                 prompt = torch.randint(1, model.config.vocab_size, (a.prefill,)).tolist()
                 eng.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
@@ -48,14 +52,17 @@ def main() -> None:
                 force_acceptance(eng, min(3, spec.gamma))
                 for _ in range(3):
                     eng.step()
-                what = "3 iterations"
+                what = f"{a.iters} iterations, graphs {a.graphs}"
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(3 if not a.prefill else 10**9):
+                for _ in range(a.iters if not a.prefill else 10**9):
                     eng.step()
                     if not eng.has_unfinished():
                         break
                 torch.cuda.synchronize()
+            summary = kernel_summary(prof, 1 if a.prefill else a.iters)
+            print(f"{mode} ({what}): {summary['line']}", flush=True)
+            f.write(f"==== {mode}: kernels per iteration ({what})\n{summary['table']}\n")
             for key in ("self_cpu_time_total", "cuda_time_total"):
                 f.write(f"==== {mode}: by {key} ({what})\n")
                 f.write(prof.key_averages().table(sort_by=key, row_limit=25) + "\n")
@@ -63,6 +70,33 @@ def main() -> None:
             from wmtp.bench.step import release_pools
 
             release_pools(model)
+
+
+def kernel_summary(prof, iters: int) -> dict:
+    """Kernels per iteration: count, summed duration, busy time (union of intervals) and span (ms),
+    plus the kernels grouped by name, largest total first."""
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start),
+                     key=lambda e: e.time_range.start)
+    if not kernels:
+        return {"line": "no kernels recorded", "table": ""}
+    busy, cur_lo, cur_hi = 0.0, kernels[0].time_range.start, kernels[0].time_range.end
+    for e in kernels[1:]:
+        if e.time_range.start > cur_hi:
+            busy, cur_lo = busy + cur_hi - cur_lo, e.time_range.start
+        cur_hi = max(cur_hi, e.time_range.end)
+    busy += cur_hi - cur_lo
+    span = kernels[-1].time_range.end - kernels[0].time_range.start
+    total = sum(e.time_range.elapsed_us() for e in kernels)
+    groups: dict[str, list[float]] = {}
+    for e in kernels:
+        g = groups.setdefault(e.name[:90], [0, 0.0])
+        g[0] += 1
+        g[1] += e.time_range.elapsed_us()
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][1])
+    table = "\n".join(f"{t / iters / 1e3:9.3f} ms {c / iters:7.1f}x {t / c:8.2f} us  {n}" for n, (c, t) in rows[:40])
+    line = (f"{len(kernels) / iters:.0f} kernels/iter, kernel sum {total / iters / 1e3:.2f} ms, busy {busy / iters / 1e3:.2f} ms,"
+            f" span {span / iters / 1e3:.2f} ms per iteration")
+    return {"line": line, "table": table}
 
 
 if __name__ == "__main__":
