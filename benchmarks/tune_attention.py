@@ -30,14 +30,22 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=256)
     ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--pool-layers", type=int, default=1,
+                    help="allocate an engine-like pool [layers, 2, slots, kv_heads, D] and time its middle layer")
+    ap.add_argument("--table", default="random", choices=("random", "contiguous"))
+    ap.add_argument("--rows", default="64", help="max_rows candidates (query rows x GQA group per tile)")
+    ap.add_argument("--block-n", default="16,32,64,128")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--stages", default="1,2,3,4")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     S, page, D = a.context, a.page_size, a.head_dim
     n_pages = -(-S // page)
-    k_cache = torch.randn(n_pages * page, a.kv_heads, D, device=dev, dtype=dt)
-    v_cache = torch.randn_like(k_cache)
-    table = torch.randperm(n_pages, device=dev)[None].to(torch.int32)
+    pool = torch.randn(a.pool_layers, 2, n_pages * page, a.kv_heads, D, device=dev, dtype=dt)
+    k_cache, v_cache = pool[a.pool_layers // 2, 0], pool[a.pool_layers // 2, 1]
+    order = torch.randperm(n_pages, device=dev) if a.table == "random" else torch.arange(n_pages, device=dev)
+    table = order[None].to(torch.int32)
     kv_bytes = 2 * S * a.kv_heads * D * k_cache.element_size()
     rows = []
     for q_len in map(int, a.q_lens.split(",")):
@@ -51,19 +59,20 @@ def main() -> None:
 
         default = run()
         results = []
-        for bn, nw, ns in itertools.product((16, 32, 64, 128), (4, 8), (1, 2, 3, 4)):
+        grid = [[int(x) for x in v.split(",")] for v in (a.rows, a.block_n, a.warps, a.stages)]
+        for mr, bn, nw, ns in itertools.product(*grid):
+            cfg = {"max_rows": mr, "block_n": bn, "num_warps": nw, "num_stages": ns}
             try:
-                results.append({"block_n": bn, "num_warps": nw, "num_stages": ns,
-                                "ms": run(block_n=bn, num_warps=nw, num_stages=ns)})
+                results.append({**cfg, "ms": run(**cfg)})
             except Exception as e:  # out of shared memory / registers for this tile: not a candidate
-                results.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "error": type(e).__name__})
+                results.append({**cfg, "error": type(e).__name__})
         best = min((r for r in results if "ms" in r), key=lambda r: r["ms"])
         rows.append({"q_len": q_len, "default_ms": default, "best": best, "all": results})
         print(f"q_len {q_len}: default {default:.3f} ms ({kv_bytes / default / 1e9:.2f} TB/s) | best {best['ms']:.3f} ms "
-              f"({kv_bytes / best['ms'] / 1e9:.2f} TB/s) at block_n={best['block_n']} warps={best['num_warps']} "
+              f"({kv_bytes / best['ms'] / 1e9:.2f} TB/s) at rows={best['max_rows']} block_n={best['block_n']} warps={best['num_warps']} "
               f"stages={best['num_stages']}", flush=True)
     meta = {"hardware": torch.cuda.get_device_name(), "S": S, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": D,
-            "page_size": page, "dtype": "bfloat16", "timing": "triton.testing.do_bench_cudagraph"}
+            "page_size": page, "pool_layers": a.pool_layers, "table": a.table, "dtype": "bfloat16", "timing": "triton.testing.do_bench_cudagraph"}
     with open(a.out, "w") as f:
         json.dump({"kind": "attention_tuning", "meta": meta, "rows": rows}, f, indent=1)
 

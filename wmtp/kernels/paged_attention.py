@@ -213,12 +213,13 @@ def paged_attention(
     block_n: int = 64,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    max_rows: int = 64,
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over the cached keys (already written). Returns [T, H, D].
 
     ``num_splits`` (default: enough programs for ~4 waves of the GPU) cuts each request's keys;
-    ``block_n`` / ``num_warps`` / ``num_stages`` override the launch configuration (tuning runs,
-    ``benchmarks/tune_attention.py``).
+    ``block_n`` / ``num_warps`` / ``num_stages`` / ``max_rows`` (query rows x GQA group per tile)
+    override the launch configuration (tuning runs, ``benchmarks/tune_attention.py``).
     """
     if triton is None:
         raise RuntimeError("paged_attention needs triton (pip install 'wmtp[gpu]' or triton==3.6.0)")
@@ -228,7 +229,7 @@ def paged_attention(
         raise ValueError(f"paged_attention: heads {H} must be a multiple of kv heads {n_kv}; head_dim {D} a power of 2 >= 16")
     group = H // n_kv
     group_p = triton.next_power_of_2(group)
-    block_q = max(1, min(triton.next_power_of_2(meta.max_q_len), max(1, 64 // group_p)))
+    block_q = max(1, min(triton.next_power_of_2(meta.max_q_len), max(1, max_rows // group_p)))
     if block_q * group_p < 16:  # tl.dot needs >= 16 rows: pad the query block
         block_q = 16 // group_p
     num_q_blocks = math.ceil(meta.max_q_len / block_q)
