@@ -10,6 +10,7 @@ import torch
 
 from wmtp import LLM, SamplingParams, SpecConfig
 from wmtp.engine.engine import Engine
+from wmtp.engine.memory import MemoryManager
 from wmtp.engine.window import DraftWindow
 from wmtp.errors import WmtpError
 
@@ -249,10 +250,36 @@ def test_per_request_memory_bytes():
         pages = -(-(50 + 10 + 4) // 8)
         assert b["target_kv"] == pages * mem.target_page_bytes
         assert b["state_pool"] == mem.state_slot_bytes > 0
+        assert b["verify_states"] == 4 * mem.verify_row_bytes > 0  # d rows of recorded GDN states
         assert b["draft_ring"] == (mode == "windowed" and ring) * (SINK + W + 4) * mem.draft_slot_bytes
         assert b["draft_pool"] == (not (mode == "windowed" and ring)) * pages * 8 * mem.draft_slot_bytes
         assert all(v <= mem.bytes_report()[k] for k, v in b.items())
     assert got[("windowed", True)]["draft_ring"] < got[("native", True)]["draft_pool"]
+
+
+def test_verify_states_are_preallocated_and_budgeted():
+    """The per-token GDN states a verify records live in the engine's preallocated buffer (counted
+    in the KV budget), not in tensors allocated by the forward."""
+    llm = _llm("tiny-qwen3-next", "native", d=4)
+    eng, mem = llm.engine, llm.engine.memory
+    rows = eng.eng.max_num_seqs * 4
+    assert mem.bytes_report()["verify_states"] == rows * mem.verify_row_bytes
+    layers = eng.model.gdn_layers()
+    assert all(l.verify_states.shape[0] == rows for l in layers)
+    seen = []
+    real = eng.model.rollback_states
+
+    def spy(slots, accepted, recorded):
+        seen.extend(recorded[l.layer_idx][1].untyped_storage().data_ptr() == l.verify_states.untyped_storage().data_ptr()
+                    for l in layers)
+        return real(slots, accepted, recorded)
+
+    eng.model.rollback_states = spy
+    prompt, params = _prompts(1, seed=3)[0][:1] * 20, SamplingParams(max_tokens=6, ignore_eos=True)
+    llm.generate([prompt], params)
+    assert seen and all(seen)
+    dense = MemoryManager(eng.model.config, SpecConfig(mode="dense"), eng.eng, eng.dtype)
+    assert dense.verify_row_bytes == 0 and dense.bytes_report()["verify_states"] == 0
 
 
 def test_ever_read_runs_match_the_rule():

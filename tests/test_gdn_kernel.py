@@ -100,3 +100,37 @@ def test_bf16_35b_shape_gpu():
     got = TritonBackend().gated_delta_net(**t, ctx=ForwardContext(**ctx, record_states=True), layer_idx=0, dims=dims)
     assert (got.float() - want.float()).abs().max().item() < 2e-2
     assert (t["ssm_state"] - ref["ssm_state"]).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("q_lens,record", [([1, 4, 2], False), ([3, 3], True), ([1], True)])
+def test_conv_update_matches_causal_conv1d(q_lens, record):
+    """The fused decode conv (all requests in one launch, state slots updated in place, rollback
+    windows recorded) against the reference conv per request."""
+    from wmtp.kernels.gdn import conv_update
+    from wmtp.kernels.torch_gdn import causal_conv1d
+
+    g = torch.Generator().manual_seed(len(q_lens))
+    C, T = 40, sum(q_lens)  # C not a multiple of the channel block
+    x = torch.randn(T, C, generator=g).to(DEVICE)
+    w = torch.randn(C, 4, generator=g).to(DEVICE)
+    state = torch.randn(5, C, 3, generator=g).to(DEVICE)
+    slots = torch.tensor([4, 1, 2][: len(q_lens)], device=DEVICE)
+    offs = [sum(q_lens[:b]) for b in range(len(q_lens))]
+    old_state, want_state = state.clone(), state.clone()
+    want = []
+    for b, n in enumerate(q_lens):
+        y, new = causal_conv1d(x[offs[b] : offs[b] + n], w, state[slots[b]])
+        want.append(y)
+        want_state[slots[b]] = new
+    i32 = dict(device=DEVICE, dtype=torch.int32)
+    got, win = conv_update(x, w, state, slots, torch.tensor(offs, **i32), torch.tensor(q_lens, **i32),
+                           q_lens[0] if record else None)
+    assert torch.allclose(got, torch.cat(want), atol=1e-5)
+    assert torch.allclose(state, want_state)
+    if record:
+        for b, n in enumerate(q_lens):  # rows: the old context (oldest first), then the inputs
+            assert torch.equal(win[b, :3], old_state[slots[b]].T)
+            assert torch.equal(win[b, 3:], x[offs[b] : offs[b] + n])
+    with pytest.raises(ValueError, match="conv_update: weight"):
+        conv_update(x, torch.zeros(C, 3, device=DEVICE), state, slots, torch.tensor(offs, **i32),
+                    torch.tensor(q_lens, **i32))

@@ -4,6 +4,10 @@
 - Draft KV: a full-length paged pool (native; windowed with ring=False) or one ring of
   ``sink + W + d`` slots per request (windowed, ring=True).
 - Recurrent state: one GDN conv + SSM state slot per running request (hybrid targets).
+- Verify states (speculative hybrid targets): the SSM state after every verify token, d rows per
+  sequence slot, which the rollback after a partial acceptance reads. It is the largest activation
+  of a verify (d x 2 MiB per GDN layer and request on the 35B shape), so it is sized up front and
+  counted in the budget like the pools, never allocated inside a forward.
 
 A request reserves its worst case at admission (pages for prompt + max_tokens + d), so a running
 request can never run out of memory; one that does not fit waits, and one that could never fit is
@@ -69,6 +73,7 @@ class PoolSizes:
     num_draft_pages: int
     num_rings: int
     num_state_slots: int
+    num_verify_rows: int = 0
 
 
 class MemoryManager:
@@ -110,25 +115,35 @@ class MemoryManager:
         ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
         return len(c.linear_attention_layers) * (conv + ssm)
 
+    @property
+    def verify_row_bytes(self) -> int:
+        """Bytes of one verify token's recorded SSM states over all GDN layers (0 if none are kept)."""
+        c = self.cfg
+        if not (c.is_hybrid and self.spec.speculative):
+            return 0
+        return len(c.linear_attention_layers) * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+
     def _plan(self) -> PoolSizes:
         e, s = self.eng, self.spec
         per_seq_pages = self.pages_for(e.max_model_len + s.num_draft_tokens)
         rings = e.max_num_seqs if s.uses_ring else 0
         states = e.max_num_seqs if self.cfg.is_hybrid else 0
+        verify_rows = e.max_num_seqs * s.verify_tokens if self.verify_row_bytes else 0
         if e.num_kv_pages is not None:
             pages = e.num_kv_pages
         elif e.kv_memory_bytes is not None:
-            fixed = rings * s.ring_size * self.draft_slot_bytes + states * self.state_slot_bytes
+            fixed = (rings * s.ring_size * self.draft_slot_bytes + states * self.state_slot_bytes
+                     + verify_rows * self.verify_row_bytes)
             per_page = self.target_page_bytes + (e.page_size * self.draft_slot_bytes if self.draft_is_paged else 0)
             pages = (e.kv_memory_bytes - fixed) // max(per_page, 1)
             if pages < per_seq_pages // max(e.max_num_seqs, 1) or pages < 1:
                 raise CapacityError(
                     f"kv_memory_bytes={e.kv_memory_bytes} leaves room for {max(pages, 0)} KV pages after "
-                    f"{fixed} bytes of rings/states; raise it or lower max_num_seqs"
+                    f"{fixed} bytes of rings/states/verify states; raise it or lower max_num_seqs"
                 )
         else:
             pages = e.max_num_seqs * per_seq_pages
-        return PoolSizes(pages, pages if self.draft_is_paged else 0, rings, states)
+        return PoolSizes(pages, pages if self.draft_is_paged else 0, rings, states, verify_rows)
 
     def bytes_report(self) -> dict[str, int]:
         """Bytes of each pool (what the metrics and the memory table report)."""
@@ -138,6 +153,7 @@ class MemoryManager:
             "draft_pool": z.num_draft_pages * self.eng.page_size * self.draft_slot_bytes,
             "draft_ring": z.num_rings * self.spec.ring_size * self.draft_slot_bytes,
             "state_pool": z.num_state_slots * self.state_slot_bytes,
+            "verify_states": z.num_verify_rows * self.verify_row_bytes,
         }
 
     def allocation_bytes(self, alloc: Allocation) -> dict[str, int]:
@@ -147,6 +163,7 @@ class MemoryManager:
             "draft_pool": len(alloc.draft_pages) * self.eng.page_size * self.draft_slot_bytes,
             "draft_ring": (alloc.ring is not None) * self.spec.ring_size * self.draft_slot_bytes,
             "state_pool": (alloc.state_slot is not None) * self.state_slot_bytes,
+            "verify_states": self.spec.verify_tokens * self.verify_row_bytes,  # its sequence slot's rows
         }
 
     # ---- tensors -----------------------------------------------------------------------------
@@ -174,6 +191,13 @@ class MemoryManager:
         for layer in model.gdn_layers():
             layer.conv_state = torch.zeros(n + 1, c.gdn_conv_dim, c.linear_conv_kernel_dim - 1, device=device, dtype=self.dtype)
             layer.ssm_state = torch.zeros(n + 1, layer.hv, layer.dk, layer.dv, device=device, dtype=torch.float32)
+        rows = self.sizes.num_verify_rows
+        if rows:
+            gdn = model.gdn_layers()
+            rec = torch.empty(len(gdn), rows, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                              device=device, dtype=torch.float32)
+            for i, layer in enumerate(gdn):
+                layer.verify_states = rec[i]
         self._gdn_layers = model.gdn_layers()
 
     # ---- admission ---------------------------------------------------------------------------

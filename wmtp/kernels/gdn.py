@@ -28,14 +28,14 @@ if triton is not None:
     @triton.jit
     def _gdn_recurrent_kernel(Q, K, V, G, BETA, STATE, SLOTS, TOK_OFF, Q_LEN, O, REC,
                               HV, stride_qt, stride_qh, stride_vt, stride_vh, stride_ss, stride_sh,
-                              scale, eps, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
-                              RECORD: tl.constexpr):
+                              scale, eps, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                              BLOCK_V: tl.constexpr, RECORD: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
         slot = tl.load(SLOTS + b).to(tl.int64)
-        off = tl.load(TOK_OFF + b)
-        n = tl.load(Q_LEN + b)
+        off = tl.load(TOK_OFF + b).to(tl.int32)  # int64 from the graphs' staging: keep index math 32-bit
+        n = tl.load(Q_LEN + b).to(tl.int32)
         ks = tl.arange(0, DK)
         vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = vs < DV
@@ -43,8 +43,8 @@ if triton is not None:
         S = tl.load(s_ptr, mask=v_ok[None, :], other=0.0).to(tl.float32)
         for t in range(0, n):
             row = off + t
-            q = tl.load(Q + row * stride_qt + h * stride_qh + ks).to(tl.float32)
-            k = tl.load(K + row * stride_qt + h * stride_qh + ks).to(tl.float32)
+            q = tl.load(Q + row * stride_qt + (h // GROUP) * stride_qh + ks).to(tl.float32)
+            k = tl.load(K + row * stride_qt + (h // GROUP) * stride_qh + ks).to(tl.float32)
             v = tl.load(V + row * stride_vt + h * stride_vh + vs, mask=v_ok, other=0.0).to(tl.float32)
             g = tl.load(G + row * HV + h).to(tl.float32)
             beta = tl.load(BETA + row * HV + h).to(tl.float32)
@@ -62,27 +62,101 @@ if triton is not None:
         tl.store(s_ptr, S.to(STATE.dtype.element_ty), mask=v_ok[None, :])
 
 
+    @triton.jit
+    def _conv_update_kernel(X, W, STATE, SLOTS, TOK_OFF, Q_LEN, OUT, WIN, C, stride_ss, win_rows,
+                            BLOCK_C: tl.constexpr, RECORD: tl.constexpr):
+        """Kernel size 4: out[t] = silu(w0 x[t-3] + w1 x[t-2] + w2 x[t-1] + w3 x[t]) per channel,
+        the left context read from / written back to the request's conv-state slot."""
+        b = tl.program_id(0)
+        cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = cs < C
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        off = tl.load(TOK_OFF + b).to(tl.int32)
+        n = tl.load(Q_LEN + b).to(tl.int32)
+        w0 = tl.load(W + cs * 4 + 0, mask=ok, other=0.0).to(tl.float32)
+        w1 = tl.load(W + cs * 4 + 1, mask=ok, other=0.0).to(tl.float32)
+        w2 = tl.load(W + cs * 4 + 2, mask=ok, other=0.0).to(tl.float32)
+        w3 = tl.load(W + cs * 4 + 3, mask=ok, other=0.0).to(tl.float32)
+        s_ptr = STATE + slot * stride_ss + cs * 3
+        h3 = tl.load(s_ptr + 0, mask=ok, other=0.0)  # oldest first
+        h2 = tl.load(s_ptr + 1, mask=ok, other=0.0)
+        h1 = tl.load(s_ptr + 2, mask=ok, other=0.0)
+        if RECORD:
+            wb = WIN + b.to(tl.int64) * win_rows * C + cs
+            tl.store(wb, h3.to(WIN.dtype.element_ty), mask=ok)
+            tl.store(wb + C, h2.to(WIN.dtype.element_ty), mask=ok)
+            tl.store(wb + 2 * C, h1.to(WIN.dtype.element_ty), mask=ok)
+        for t in range(0, n):
+            row = (off + t).to(tl.int64)
+            x = tl.load(X + row * C + cs, mask=ok, other=0.0)
+            y = w0 * h3.to(tl.float32) + w1 * h2.to(tl.float32) + w2 * h1.to(tl.float32) + w3 * x.to(tl.float32)
+            y = y.to(W.dtype.element_ty).to(tl.float32)  # the reference convolves in the weight dtype
+            y = y / (1.0 + tl.exp(-y))
+            tl.store(OUT + row * C + cs, y.to(OUT.dtype.element_ty), mask=ok)
+            if RECORD:
+                tl.store(wb + (3 + t) * C, x.to(WIN.dtype.element_ty), mask=ok)
+            h3, h2, h1 = h2, h1, x.to(h1.dtype)
+        tl.store(s_ptr + 0, h3, mask=ok)
+        tl.store(s_ptr + 1, h2, mask=ok)
+        tl.store(s_ptr + 2, h1, mask=ok)
+
+
+def conv_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                tok_off: torch.Tensor, q_len: torch.Tensor, record_len: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal depthwise conv (kernel 4) + SiLU over every request's rows of ``x`` [T, C] in one
+    launch: request b owns rows ``tok_off[b] ..`` (``q_len[b]`` of them, device tensors) and its
+    left context is ``conv_state[slots[b]]`` [C, 3], updated in place. With ``record_len`` n
+    (every request has n rows: a verify) also returns the windows [B, 3 + n, C] (old context, then
+    the inputs) that the rollback reads. Twin: ``torch_gdn.causal_conv1d`` per request."""
+    T, C = x.shape
+    if weight.shape != (C, 4) or conv_state.shape[1:] != (C, 3) or not conv_state.is_contiguous():
+        raise ValueError(f"conv_update: weight {tuple(weight.shape)} must be [{C}, 4] and conv_state "
+                         f"{tuple(conv_state.shape)} a contiguous [slots, {C}, 3] (kernel size 4 only)")
+    B = slots.shape[0]
+    out = torch.empty_like(x)
+    win = None if record_len is None else torch.empty(B, 3 + record_len, C, device=x.device, dtype=conv_state.dtype)
+    block_c = 256
+    _conv_update_kernel[(B, triton.cdiv(C, block_c))](
+        x.contiguous(), weight.contiguous(), conv_state, slots, tok_off, q_len, out, out if win is None else win,
+        C, conv_state.stride(0), 3 + (record_len or 0), BLOCK_C=block_c, RECORD=win is not None)
+    return out, win
+
+
 def gdn_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     ssm_state: torch.Tensor, slots: torch.Tensor, tok_off: torch.Tensor, q_len: torch.Tensor, record: bool,
+    record_into: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q, k [T, HV, Dk] (heads already repeated to HV); v [T, HV, Dv]; g, beta [T, HV]; request b
+    """q, k [T, HK, Dk] (v-head h reads k-head h // (HV / HK); strided views of the conv output are
+    fine, they share strides); v [T, HV, Dv]; g, beta [T, HV]; request b
     owns rows ``tok_off[b] .. tok_off[b] + q_len[b] - 1`` (int32 device tensors [B], so nothing is
     read on the host: graph-capturable) and updates ``ssm_state[slots[b]]`` in place. Returns o
-    [T, HV, Dv] and, with ``record``, the fp32 state after every token [T, HV, Dk, Dv]."""
-    T, HV, DK = q.shape
-    DV = v.shape[-1]
-    if DK & (DK - 1) or ssm_state.shape[1:] != (HV, DK, DV) or not ssm_state.is_contiguous():
-        raise ValueError(f"gdn_recurrent: Dk={DK} must be a power of 2 and ssm_state {tuple(ssm_state.shape)} "
-                         f"a contiguous [slots, {HV}, {DK}, {DV}]")
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    [T, HV, Dv] and, with ``record``, the fp32 state after every token [T, HV, Dk, Dv] (written to
+    ``record_into[:T]`` when given: the engine's preallocated verify states)."""
+    T, HK, DK = q.shape
+    HV, DV = v.shape[1:]
+    if DK & (DK - 1) or ssm_state.shape[1:] != (HV, DK, DV) or not ssm_state.is_contiguous() or HV % HK:
+        raise ValueError(f"gdn_recurrent: Dk={DK} must be a power of 2, v heads {HV} a multiple of k heads {HK} and "
+                         f"ssm_state {tuple(ssm_state.shape)} a contiguous [slots, {HV}, {DK}, {DV}]")
+    if k.shape != q.shape or k.stride() != q.stride() or q.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError(f"gdn_recurrent: q {tuple(q.shape)} and k {tuple(k.shape)} must share shape and strides, "
+                         "with unit stride on the head dim (v too)")
     o = torch.empty(T, HV, DV, device=q.device, dtype=q.dtype)
-    rec = torch.empty(T, HV, DK, DV, device=q.device, dtype=torch.float32) if record else o
+    if not record:
+        rec = o  # unused
+    elif record_into is not None:
+        if record_into.shape[0] < T or record_into.shape[1:] != (HV, DK, DV) or record_into.dtype != torch.float32:
+            raise ValueError(f"gdn_recurrent: record_into {tuple(record_into.shape)} {record_into.dtype} cannot hold "
+                             f"{T} fp32 states of [{HV}, {DK}, {DV}]")
+        rec = record_into[:T]
+    else:
+        rec = torch.empty(T, HV, DK, DV, device=q.device, dtype=torch.float32)
     block_v = min(32, triton.next_power_of_2(DV))
     _gdn_recurrent_kernel[(slots.shape[0], HV, triton.cdiv(DV, block_v))](
         q, k, v, g.contiguous(), beta.contiguous(), ssm_state, slots, tok_off, q_len, o, rec,
         HV, q.stride(0), q.stride(1), v.stride(0), v.stride(1), ssm_state.stride(0), ssm_state.stride(1),
-        DK**-0.5, L2NORM_EPS, DK=DK, DV=DV, BLOCK_V=block_v, RECORD=record,
+        DK**-0.5, L2NORM_EPS, GROUP=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, RECORD=record,
     )
     return o, rec if record else None
 

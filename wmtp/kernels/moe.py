@@ -1,10 +1,21 @@
-"""Triton routed-expert GEMV for decode-sized batches (B·d tokens): no host sync, two launches.
+"""Triton MoE for decode-sized batches (B·d tokens): routing, SwiGLU experts and the weighted
+combine in three launches, no host sync.
 
-At decode / verify / draft sizes each (token, chosen expert) pair is one matrix-vector product, so
-the cost is reading the chosen experts' weights. The reference (``TorchBackend.moe``) loops over the
-distinct experts with ``torch.unique`` (a host sync per layer) and suits large prefill batches; this
-path handles the pairs directly: ``out[p] = W[idx[p]] @ x[p]`` for every pair p, launched once for
-gate_up and once for down. Its twin is the reference; ``tests/test_moe_kernel.py`` compares them.
+At decode / verify / draft sizes each (token, chosen expert) pair is a matrix-vector product, so
+the cost is reading the chosen experts' weights; what PyTorch adds around it (softmax, top-k sort,
+renormalise, repeat the tokens per pair, silu·mul, weight, sum, the shared expert's gate) is a
+dozen tiny kernels per layer, which dominate a CUDA-graph replay at B = 1. Here:
+
+- ``route_topk``: softmax over the router logits, top-k by repeated arg-max, renormalise (fp32).
+- ``swiglu_gemv``: ``silu(W_gate[e] x) * (W_up[e] x)`` per pair, the token row read as
+  ``p // top_k`` (no repeated copy of x). Also serves the shared expert (one fixed expert).
+- ``down_combine``: ``sum_k w[t,k] * W_down[e_k] h[t,k]`` per token, plus the shared expert's
+  ``sigmoid(logit[t]) * shared[t]``, written once in the output dtype.
+
+The reference (``TorchBackend.moe``) loops over the distinct experts with ``torch.unique`` (a host
+sync per layer); ``tests/test_moe_kernel.py`` compares every kernel and the whole path with it.
+Rounding follows the reference: expert outputs are rounded to the activation dtype before the
+weighted sum.
 """
 
 from __future__ import annotations
@@ -12,56 +23,164 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from wmtp.kernels.common import SharedExpert
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
 
-# Above this many (token, expert) pairs the grouped reference (one GEMM per distinct expert) wins.
+# Above this many (token, expert) pairs the grouped GEMM path (prefill, large batches) wins.
 MAX_GEMV_PAIRS = 256
+
 
 if triton is not None:
 
     @triton.jit
-    def _expert_gemv_kernel(X, W, IDX, OUT, N, K, stride_we, stride_wn,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _route_topk_kernel(LOGITS, W_OUT, I_OUT, E, TOP_K: tl.constexpr, K_P: tl.constexpr, NORM: tl.constexpr,
+                           BLOCK_E: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        es = tl.arange(0, BLOCK_E)
+        z = tl.load(LOGITS + t * E + es, mask=es < E, other=float("-inf")).to(tl.float32)
+        p = tl.exp(z - tl.max(z, 0))
+        p = p / tl.sum(p, 0)
+        p = tl.where(es < E, p, -1.0)
+        ks = tl.arange(0, K_P)
+        sel_w = tl.zeros([K_P], tl.float32)
+        sel_i = tl.zeros([K_P], tl.int32)
+        for i in tl.static_range(TOP_K):  # descending, lowest index first among ties (as torch.topk)
+            m = tl.max(p, 0)
+            j = tl.min(tl.where(p == m, es, BLOCK_E), 0)
+            sel_w = tl.where(ks == i, m, sel_w)
+            sel_i = tl.where(ks == i, j, sel_i)
+            p = tl.where(es == j, -2.0, p)
+        if NORM:
+            sel_w = sel_w / tl.sum(sel_w, 0)
+        tl.store(W_OUT + t * TOP_K + ks, sel_w, mask=ks < TOP_K)
+        tl.store(I_OUT + t * TOP_K + ks, sel_i, mask=ks < TOP_K)
+
+    @triton.jit
+    def _swiglu_gemv_kernel(X, WG, WU, IDX, OUT, N, K, stride_we, stride_wn, TOP_K: tl.constexpr,
+                            SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         p = tl.program_id(0)
         nb = tl.program_id(1)
-        e = tl.load(IDX + p).to(tl.int64)
+        e = 0 if SINGLE else tl.load(IDX + p).to(tl.int64)
+        tok = p // TOP_K
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
-        acc = tl.zeros([BLOCK_N], tl.float32)
+        g = tl.zeros([BLOCK_N], tl.float32)
+        u = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
-            w = tl.load(W + e * stride_we + rows[:, None] * stride_wn + ks[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            xv = tl.load(X + p * K + ks, mask=k_ok, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * xv[None, :].to(tl.float32), 1)
-        tl.store(OUT + p * N + rows, acc.to(OUT.dtype.element_ty), mask=row_ok)
+            offs = e * stride_we + rows[:, None] * stride_wn + ks[None, :]
+            m = row_ok[:, None] & k_ok[None, :]
+            xv = tl.load(X + tok * K + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            g += tl.sum(tl.load(WG + offs, mask=m, other=0.0).to(tl.float32) * xv, 1)
+            u += tl.sum(tl.load(WU + offs, mask=m, other=0.0).to(tl.float32) * xv, 1)
+        dt = OUT.dtype.element_ty
+        g = g.to(dt).to(tl.float32)  # the reference rounds each projection to the activation dtype
+        u = u.to(dt).to(tl.float32)
+        h = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
+        tl.store(OUT + p * N + rows, h.to(dt), mask=row_ok)
+
+    @triton.jit
+    def _down_combine_kernel(H, W, IDX, TW, ADD, ADD_GATE, OUT, N, K, stride_we, stride_wn, TOP_K: tl.constexpr,
+                             HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        t = tl.program_id(0)
+        nb = tl.program_id(1)
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        dt = OUT.dtype.element_ty
+        out = tl.zeros([BLOCK_N], tl.float32)
+        for i in tl.static_range(TOP_K):
+            p = t * TOP_K + i
+            e = tl.load(IDX + p).to(tl.int64)
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < K
+                w = tl.load(W + e * stride_we + rows[:, None] * stride_wn + ks[None, :],
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                hv = tl.load(H + p * K + ks, mask=k_ok, other=0.0)
+                acc += tl.sum(w.to(tl.float32) * hv[None, :].to(tl.float32), 1)
+            out += acc.to(dt).to(tl.float32) * tl.load(TW + p)
+        if HAS_ADD:
+            z = tl.load(ADD_GATE + t).to(tl.float32)
+            out += tl.load(ADD + t * N + rows, mask=row_ok, other=0.0).to(tl.float32) / (1.0 + tl.exp(-z))
+        tl.store(OUT + t * N + rows, out.to(dt), mask=row_ok)
 
 
-def expert_gemv(x: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``out[p] = weight[idx[p]] @ x[p]``; x [P, K], weight [E, N, K], idx [P] -> [P, N]."""
-    P, K = x.shape
-    E, N, K2 = weight.shape
-    if K2 != K or idx.shape != (P,):
-        raise ValueError(f"expert_gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, idx {tuple(idx.shape)} disagree")
+def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over router ``logits`` [T, E], the top-k (fp32 weights, renormalised if asked, and
+    int32 expert ids, both [T, k], largest first)."""
+    T, E = logits.shape
+    if not 0 < top_k <= E:
+        raise ValueError(f"route_topk: top_k={top_k} must be in [1, {E}] (experts)")
+    w = torch.empty(T, top_k, device=logits.device, dtype=torch.float32)
+    i = torch.empty(T, top_k, device=logits.device, dtype=torch.int32)
+    if T:
+        _route_topk_kernel[(T,)](logits.contiguous(), w, i, E, TOP_K=top_k, K_P=triton.next_power_of_2(top_k),
+                                 NORM=norm_topk_prob, BLOCK_E=triton.next_power_of_2(E))
+    return w, i
+
+
+def _check_experts(name: str, x: torch.Tensor, w: torch.Tensor, k_dim: int) -> None:
+    if w.dim() != 3 or w.shape[2] != k_dim or w.stride(2) != 1:
+        raise ValueError(f"{name}: weight {tuple(w.shape)} must be [E, N, {k_dim}] with unit stride on the last dim "
+                         f"(x {tuple(x.shape)})")
+
+
+def swiglu_gemv(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, idx: torch.Tensor | None,
+                top_k: int = 1) -> torch.Tensor:
+    """``silu(w_gate[idx[p]] @ x[p // top_k]) * (w_up[idx[p]] @ x[p // top_k])`` for every pair p.
+    x [T, K]; w_gate, w_up [E, N, K] (same strides; views of one packed tensor are fine); idx
+    [T * top_k] or None (one expert, E = 1: the shared expert). Returns [T * top_k, N]."""
+    T, K = x.shape
+    _check_experts("swiglu_gemv", x, w_gate, K)
+    if w_up.shape != w_gate.shape or w_up.stride() != w_gate.stride():
+        raise ValueError(f"swiglu_gemv: w_up {tuple(w_up.shape)} must match w_gate {tuple(w_gate.shape)} and its strides")
+    P = T * top_k
+    if idx is not None and idx.shape != (P,):
+        raise ValueError(f"swiglu_gemv: idx {tuple(idx.shape)} must be [{P}] (tokens x top_k)")
+    N = w_gate.shape[1]
     out = torch.empty(P, N, device=x.device, dtype=x.dtype)
-    if P == 0:
-        return out
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    block_n = 32
-    _expert_gemv_kernel[(P, triton.cdiv(N, block_n))](
-        x.contiguous(), weight, idx.contiguous(), out, N, K, weight.stride(0), weight.stride(1),
-        BLOCK_N=block_n, BLOCK_K=128,
-    )
+    if P:
+        block_n = 32
+        _swiglu_gemv_kernel[(P, triton.cdiv(N, block_n))](
+            x.contiguous(), w_gate, w_up, x if idx is None else idx.contiguous(), out, N, K,
+            w_gate.stride(0), w_gate.stride(1), TOP_K=top_k, SINGLE=idx is None, BLOCK_N=block_n, BLOCK_K=128)
+    return out
+
+
+def down_combine(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, top_w: torch.Tensor, top_k: int,
+                 add: torch.Tensor | None = None, add_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = sum_k top_w[t,k] * down[idx[t,k]] @ h[t*top_k + k]`` (+ ``sigmoid(add_gate[t]) *
+    add[t]``). h [T * top_k, K]; down [E, N, K]; idx, top_w [T, top_k]; add [T, N]; add_gate [T]
+    or [T, 1]. Returns [T, N] in h's dtype."""
+    P, K = h.shape
+    T = P // top_k
+    _check_experts("down_combine", h, down, K)
+    if P % top_k or idx.numel() != P or top_w.numel() != P:
+        raise ValueError(f"down_combine: h {tuple(h.shape)}, idx {tuple(idx.shape)}, top_w {tuple(top_w.shape)} "
+                         f"disagree for top_k={top_k}")
+    N = down.shape[1]
+    if add is not None and (add.shape != (T, N) or add_gate is None or add_gate.numel() != T):
+        raise ValueError(f"down_combine: add {tuple(add.shape)} must be [{T}, {N}] with an add_gate of {T} logits")
+    out = torch.empty(T, N, device=h.device, dtype=h.dtype)
+    if T:
+        block_n = 16
+        _down_combine_kernel[(T, triton.cdiv(N, block_n))](
+            h.contiguous(), down, idx.contiguous(), top_w.float().contiguous(),
+            out if add is None else add.contiguous(), out if add_gate is None else add_gate.contiguous(), out,
+            N, K, down.stride(0), down.stride(1), TOP_K=top_k, HAS_ADD=add is not None, BLOCK_N=block_n, BLOCK_K=128)
     return out
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax router: top-k weights (fp32, renormalised if ``norm_topk_prob``) and expert ids [N, k]."""
+    """Softmax router (the reference): top-k weights (fp32, renormalised if ``norm_topk_prob``) and
+    expert ids [N, k]."""
     probs = torch.softmax(F.linear(x, router_weight), dim=-1, dtype=torch.float)
     top_w, top_i = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
@@ -69,16 +188,23 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_pr
     return top_w, top_i
 
 
-def routed_experts_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob) -> torch.Tensor:
-    """Same contract as ``Backend.moe`` (softmax router, top-k, SwiGLU experts), pair by pair."""
-    top_w, top_i = route(x, router_weight, top_k, norm_topk_prob)
-    idx = top_i.flatten()
-    pairs = x.repeat_interleave(top_k, dim=0)
-    h = expert_gemv(pairs, gate_up, idx)
+def shared_expert_reference(x: torch.Tensor, shared: SharedExpert) -> torch.Tensor:
+    """``sigmoid(gate(x)) * down(silu(gate_proj(x)) * up_proj(x))`` in plain PyTorch."""
+    h = F.silu(F.linear(x, shared.gate_proj)) * F.linear(x, shared.up_proj)
+    return torch.sigmoid(F.linear(x, shared.gate)) * F.linear(h, shared.down_proj)
+
+
+def moe_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared: SharedExpert | None = None) -> torch.Tensor:
+    """Same contract as ``Backend.moe`` (softmax router, top-k SwiGLU experts, optional shared
+    expert) at decode sizes: five launches besides the router / shared GEMMs."""
+    top_w, top_i = route_topk(F.linear(x, router_weight), top_k, norm_topk_prob)
     inter = down.shape[-1]
-    h = F.silu(h[:, :inter]) * h[:, inter:]
-    y = expert_gemv(h, down, idx).view(x.shape[0], top_k, -1)
-    return (y.float() * top_w[..., None]).sum(1).to(x.dtype)
+    h = swiglu_gemv(x, gate_up[:, :inter], gate_up[:, inter:], top_i.view(-1), top_k)
+    if shared is None:
+        return down_combine(h, down, top_i, top_w, top_k)
+    hs = swiglu_gemv(x, shared.gate_proj[None], shared.up_proj[None], None)
+    return down_combine(h, down, top_i, top_w, top_k, add=F.linear(hs, shared.down_proj),
+                        add_gate=F.linear(x, shared.gate))
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -87,7 +213,8 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (8, 0))
 
 
-def routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_prob) -> torch.Tensor:
+def routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_prob,
+                           shared: SharedExpert | None = None) -> torch.Tensor:
     """Same contract as ``Backend.moe`` for many tokens (prefill, large batches): the (token, expert)
     pairs are sorted by expert and each expert's rows go through two grouped GEMMs. Expert offsets
     are counted on the device (no host sync, so it is graph-capturable too)."""
@@ -102,4 +229,5 @@ def routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_pro
     h = F.silu(h[:, :inter]) * h[:, inter:]
     y = torch.empty(flat.shape[0], x.shape[1], device=x.device, dtype=x.dtype)
     y[order] = F.grouped_mm(h, down.transpose(1, 2), offs=offs)
-    return (y.view(x.shape[0], top_k, -1).float() * top_w[..., None]).sum(1).to(x.dtype)
+    out = (y.view(x.shape[0], top_k, -1).float() * top_w[..., None]).sum(1).to(x.dtype)
+    return out if shared is None else out + shared_expert_reference(x, shared)

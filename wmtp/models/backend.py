@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from wmtp.engine.window import causal_key_positions
-from wmtp.kernels.common import acc_dtype
+from wmtp.kernels.common import SharedExpert, acc_dtype
 from wmtp.models.context import ForwardContext
 
 
@@ -59,12 +59,15 @@ class Backend(ABC):
         ctx: ForwardContext,
         layer_idx: int,
         dims: tuple[int, int, int, int, int],
+        record_into: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal conv + SiLU, then the gated delta rule, carrying per-request state slots.
 
         mixed_qkv: [T, conv_dim] pre-conv [q | k | v]; g, beta: [T, HV]; conv_state:
         [slots, conv_dim, K-1]; ssm_state: [slots, HV, Dk, Dv] fp32; dims = (HK, HV, Dk, Dv, K).
-        Updates the states of ``ctx.state_slots`` in place. Returns [T, HV, Dv].
+        Updates the states of ``ctx.state_slots`` in place. Returns [T, HV, Dv]. With
+        ``ctx.record_states`` the per-token states go to ``record_into[:T]`` when given (the
+        engine's preallocated verify states), else to a new tensor.
         """
 
     @abstractmethod
@@ -76,8 +79,10 @@ class Backend(ABC):
         down: torch.Tensor,
         top_k: int,
         norm_topk_prob: bool,
+        shared: "SharedExpert | None" = None,
     ) -> torch.Tensor:
-        """Routed experts only (softmax router, top-k). x: [N, H]; gate_up: [E, 2I, H]; down: [E, H, I]."""
+        """Softmax router, top-k routed experts, plus the sigmoid-gated ``shared`` expert when given.
+        x: [N, H]; gate_up: [E, 2I, H]; down: [E, H, I]."""
 
 
 _REGISTRY: dict[str, Callable[[], Backend]] = {}
@@ -153,7 +158,8 @@ class TorchBackend(Backend):
             out[lo : lo + n] = ob.reshape(n, -1, ob.shape[-1]).to(q.dtype)
         return out
 
-    def gated_delta_net(self, mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims):
+    def gated_delta_net(self, mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims,
+                        record_into=None):
         from wmtp.kernels.torch_gdn import causal_conv1d, gated_delta_rule
 
         _, hv, _, dv, _ = dims
@@ -178,11 +184,14 @@ class TorchBackend(Backend):
             ssm_state[slot] = new_state.to(ssm_state.dtype)
             out[lo : lo + n] = o
         if ctx.record_states:
-            ctx.recorded[layer_idx] = (torch.stack(windows), torch.stack(all_states))
+            states = torch.stack(all_states)
+            if record_into is not None:
+                states = record_into[: states.shape[0] * states.shape[1]].view(states.shape).copy_(states)
+            ctx.recorded[layer_idx] = (torch.stack(windows), states)
         return out
 
-    def moe(self, x, router_weight, gate_up, down, top_k, norm_topk_prob):
-        from wmtp.kernels.moe import route
+    def moe(self, x, router_weight, gate_up, down, top_k, norm_topk_prob, shared=None):
+        from wmtp.kernels.moe import route, shared_expert_reference
 
         top_w, top_i = route(x, router_weight, top_k, norm_topk_prob)
         top_w = top_w.to(x.dtype)
@@ -194,7 +203,7 @@ class TorchBackend(Backend):
             h = F.silu(h[:, :inter]) * h[:, inter:]
             h = F.linear(h, down[e]) * top_w[rows, which, None]
             out.index_add_(0, rows, h.to(out.dtype))
-        return out
+        return out if shared is None else out + shared_expert_reference(x, shared)
 
 
 def _write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext) -> None:
@@ -266,23 +275,25 @@ class TritonBackend(TorchBackend):
 
         return cfg.num_experts <= 0 or num_tokens * cfg.num_experts_per_tok <= MAX_GEMV_PAIRS or dtype == torch.bfloat16
 
-    def moe(self, x, router_weight, gate_up, down, top_k, norm_topk_prob):
-        from wmtp.kernels.moe import MAX_GEMV_PAIRS, grouped_mm_supported, routed_experts_gemv, routed_experts_grouped
+    def moe(self, x, router_weight, gate_up, down, top_k, norm_topk_prob, shared=None):
+        from wmtp.kernels.moe import MAX_GEMV_PAIRS, grouped_mm_supported, moe_gemv, routed_experts_grouped
 
         if x.dtype == torch.float64:
-            return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob)
+            return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
         if x.shape[0] * top_k <= MAX_GEMV_PAIRS:
-            return routed_experts_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob)
+            return moe_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
         if grouped_mm_supported(x):
-            return routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_prob)
-        return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob)
+            return routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
+        return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
 
-    def gated_delta_net(self, mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims):
-        from wmtp.kernels.gdn import MAX_RECURRENT_TOKENS, fla_available, gdn_chunked_fla, gdn_recurrent
+    def gated_delta_net(self, mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims,
+                        record_into=None):
+        from wmtp.kernels.gdn import MAX_RECURRENT_TOKENS, conv_update, fla_available, gdn_chunked_fla, gdn_recurrent
         from wmtp.kernels.torch_gdn import causal_conv1d
 
         if mixed_qkv.dtype == torch.float64:
-            return super().gated_delta_net(mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims)
+            return super().gated_delta_net(mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims,
+                                           record_into)
         if max(ctx.q_lens) > MAX_RECURRENT_TOKENS:  # prefill-sized pieces: chunked form
             if not fla_available(mixed_qkv.device):
                 return super().gated_delta_net(mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims)
@@ -292,27 +303,23 @@ class TritonBackend(TorchBackend):
                 conv_out[lo : lo + n], new = causal_conv1d(mixed_qkv[lo : lo + n], conv_weight, conv_state[slot][0])
                 conv_state[slot] = new[None].to(conv_state.dtype)
             return gdn_chunked_fla(conv_out, g, beta, ssm_state, ctx, dims)
-        slots = ctx.state_slots
+        hk, hv, dk, dv, kernel = dims
+        if kernel != 4 or not conv_state.is_contiguous():  # the fused conv is written for Qwen's kernel size 4
+            return super().gated_delta_net(mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims,
+                                           record_into)
         B, n = len(ctx.q_lens), ctx.q_lens[0]
-        if all(m == n for m in ctx.q_lens):
-            # decode / verify: one batched conv over the requests' slots (no per-request launches)
-            x = mixed_qkv.view(B, n, -1)
-            old = conv_state[slots]
-            conv_out, new = causal_conv1d(x, conv_weight, old)
-            conv_state[slots] = new.to(conv_state.dtype)
-            conv_out = conv_out.reshape(B * n, -1)
-            window = torch.cat([old.transpose(1, 2), x.to(old.dtype)], dim=1) if ctx.record_states else None
-        else:
-            if ctx.record_states:
-                raise ValueError("record_states needs every request to have the same q_len (verify)")
-            conv_out = torch.empty_like(mixed_qkv)
-            for b, m in enumerate(ctx.q_lens):  # slots stay on the device (no host sync)
-                lo, slot = ctx.token_offsets[b], slots[b : b + 1]
-                conv_out[lo : lo + m], new = causal_conv1d(mixed_qkv[lo : lo + m], conv_weight, conv_state[slot][0])
-                conv_state[slot] = new[None].to(conv_state.dtype)
-        q, k, v = _gdn_heads(conv_out, dims)
+        if ctx.record_states and any(m != n for m in ctx.q_lens):
+            raise ValueError("record_states needs every request to have the same q_len (verify)")
+        slots = ctx.state_slots
         _, q_len, tok_off = ctx.device_lens
-        o, states = gdn_recurrent(q, k, v, g, beta, ssm_state, slots, tok_off, q_len, ctx.record_states)
+        # one launch each for the conv (all requests, state slots updated in place) and the delta rule;
+        # q / k stay k-head views of the conv output (no repeat to the v heads, no copies)
+        conv_out, window = conv_update(mixed_qkv, conv_weight, conv_state, slots, tok_off, q_len,
+                                       n if ctx.record_states else None)
+        q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        T = conv_out.shape[0]
+        o, states = gdn_recurrent(q.view(T, hk, dk), k.view(T, hk, dk), v.view(T, hv, dv), g, beta, ssm_state, slots,
+                                  tok_off, q_len, ctx.record_states, record_into)
         if ctx.record_states:
             ctx.recorded[layer_idx] = (window, states.view(B, n, *states.shape[1:]))
         return o

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wmtp.config import ModelConfig
+from wmtp.kernels.common import SharedExpert
 from wmtp.models.backend import Backend
 from wmtp.models.context import ForwardContext
 from wmtp.models.rope import apply_rotary
@@ -90,6 +91,7 @@ class GatedDeltaNet(nn.Module):
 
     conv_state: torch.Tensor
     ssm_state: torch.Tensor
+    verify_states: torch.Tensor | None = None  # [rows, HV, Dk, Dv] fp32, bound by the engine (verify record)
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend: Backend) -> None:
         super().__init__()
@@ -138,7 +140,7 @@ class GatedDeltaNet(nn.Module):
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         core = self.backend.gated_delta_net(
             mixed, g, beta, self.conv1d.weight.squeeze(1), self.conv_state, self.ssm_state, ctx,
-            self.layer_idx, (self.hk, self.hv, self.dk, self.dv, self.kernel),
+            self.layer_idx, (self.hk, self.hv, self.dk, self.dv, self.kernel), self.verify_states,
         )
         core = self.backend.gated_rms_norm(core, z, self.norm.weight, self.norm_eps)
         return self.out_proj(core.reshape(x.shape[0], -1))
@@ -178,12 +180,13 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.backend.moe(
-            x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, self.top_k, self.norm_topk_prob
-        )
+        shared = None
         if self.has_shared:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+            m = self.shared_expert
+            shared = SharedExpert(m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, self.shared_expert_gate.weight)
+        return self.backend.moe(
+            x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, self.top_k, self.norm_topk_prob, shared
+        )
 
 
 class DecoderLayer(nn.Module):
