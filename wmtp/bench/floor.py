@@ -115,11 +115,11 @@ class ExpertCounter:
         self._orig = model.backend.moe
 
     def __enter__(self) -> "ExpertCounter":
-        def moe(x, router_weight, gate_up, down, top_k, norm_topk_prob):
+        def moe(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared=None):
             top = torch.topk(torch.nn.functional.linear(x, router_weight).float(), top_k, dim=-1).indices
             block = self.by_router[router_weight.data_ptr()]
             self.counts.setdefault(id(block), []).append(int(torch.unique(top).numel()))
-            return self._orig(x, router_weight, gate_up, down, top_k, norm_topk_prob)
+            return self._orig(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
 
         self.model.backend.moe = moe
         return self
