@@ -133,10 +133,11 @@ def _check_experts(name: str, x: torch.Tensor, w: torch.Tensor, k_dim: int) -> N
 
 
 def swiglu_gemv(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, idx: torch.Tensor | None,
-                top_k: int = 1) -> torch.Tensor:
+                top_k: int = 1, **launch) -> torch.Tensor:
     """``silu(w_gate[idx[p]] @ x[p // top_k]) * (w_up[idx[p]] @ x[p // top_k])`` for every pair p.
     x [T, K]; w_gate, w_up [E, N, K] (same strides; views of one packed tensor are fine); idx
-    [T * top_k] or None (one expert, E = 1: the shared expert). Returns [T * top_k, N]."""
+    [T * top_k] or None (one expert, E = 1: the shared expert). Returns [T * top_k, N].
+    ``launch`` overrides BLOCK_N / BLOCK_K / num_warps / num_stages (``benchmarks/tune_moe.py``)."""
     T, K = x.shape
     _check_experts("swiglu_gemv", x, w_gate, K)
     if w_up.shape != w_gate.shape or w_up.stride() != w_gate.stride():
@@ -147,18 +148,20 @@ def swiglu_gemv(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, idx: 
     N = w_gate.shape[1]
     out = torch.empty(P, N, device=x.device, dtype=x.dtype)
     if P:
-        block_n = 32
-        _swiglu_gemv_kernel[(P, triton.cdiv(N, block_n))](
+        # 8-row tiles, 8 warps: best on the H200 at 1 and 7 tokens (8 us / 53 us for 8 / 56 pairs of the
+        # 35B shape, vs 40 / 71 us at 32 x 128, 4 warps; benchmarks/tune_moe.py)
+        cfg = {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 8, **launch}
+        _swiglu_gemv_kernel[(P, triton.cdiv(N, cfg["BLOCK_N"]))](
             x.contiguous(), w_gate, w_up, x if idx is None else idx.contiguous(), out, N, K,
-            w_gate.stride(0), w_gate.stride(1), TOP_K=top_k, SINGLE=idx is None, BLOCK_N=block_n, BLOCK_K=128)
+            w_gate.stride(0), w_gate.stride(1), TOP_K=top_k, SINGLE=idx is None, **cfg)
     return out
 
 
 def down_combine(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, top_w: torch.Tensor, top_k: int,
-                 add: torch.Tensor | None = None, add_gate: torch.Tensor | None = None) -> torch.Tensor:
+                 add: torch.Tensor | None = None, add_gate: torch.Tensor | None = None, **launch) -> torch.Tensor:
     """``out[t] = sum_k top_w[t,k] * down[idx[t,k]] @ h[t*top_k + k]`` (+ ``sigmoid(add_gate[t]) *
     add[t]``). h [T * top_k, K]; down [E, N, K]; idx, top_w [T, top_k]; add [T, N]; add_gate [T]
-    or [T, 1]. Returns [T, N] in h's dtype."""
+    or [T, 1]. Returns [T, N] in h's dtype. ``launch`` as for ``swiglu_gemv``."""
     P, K = h.shape
     T = P // top_k
     _check_experts("down_combine", h, down, K)
@@ -170,11 +173,11 @@ def down_combine(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, top_w: 
         raise ValueError(f"down_combine: add {tuple(add.shape)} must be [{T}, {N}] with an add_gate of {T} logits")
     out = torch.empty(T, N, device=h.device, dtype=h.dtype)
     if T:
-        block_n = 16
-        _down_combine_kernel[(T, triton.cdiv(N, block_n))](
+        cfg = {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, **launch}  # tuned as swiglu_gemv's
+        _down_combine_kernel[(T, triton.cdiv(N, cfg["BLOCK_N"]))](
             h.contiguous(), down, idx.contiguous(), top_w.float().contiguous(),
             out if add is None else add.contiguous(), out if add_gate is None else add_gate.contiguous(), out,
-            N, K, down.stride(0), down.stride(1), TOP_K=top_k, HAS_ADD=add is not None, BLOCK_N=block_n, BLOCK_K=128)
+            N, K, down.stride(0), down.stride(1), TOP_K=top_k, HAS_ADD=add is not None, **cfg)
     return out
 
 
