@@ -134,3 +134,25 @@ def test_conv_update_matches_causal_conv1d(q_lens, record):
     with pytest.raises(ValueError, match="conv_update: weight"):
         conv_update(x, torch.zeros(C, 3, device=DEVICE), state, slots, torch.tensor(offs, **i32),
                     torch.tensor(q_lens, **i32))
+
+
+@pytest.mark.parametrize("layout", ["fused", "split"])
+def test_gates_kernel_matches_reference(layout):
+    """GDN gates in one launch from strided [T, G, R] views of the projections (no reshape copies)."""
+    from wmtp.kernels.gdn import gdn_gates
+    from wmtp.kernels.torch_gdn import gdn_gates as reference
+
+    g = torch.Generator().manual_seed(0)
+    T, hk, r = 5, 3, 4
+    hv = hk * r
+    ba = (torch.randn(T, hk, 2 * r, generator=g) * 8).to(DEVICE)  # wide range: softplus threshold, both sides
+    A_log, dt_bias = torch.randn(hv, generator=g).to(DEVICE), torch.randn(hv, generator=g).to(DEVICE)
+    if layout == "fused":
+        b, a = ba.split([r, r], dim=-1)  # [T, hk, r] strided views
+    else:
+        b, a = ba[:, :, :r].reshape(T, 1, hv), ba[:, :, r:].reshape(T, 1, hv)
+    want_g, want_beta = reference(a.reshape(T, hv), b.reshape(T, hv), A_log, dt_bias)
+    got_g, got_beta = gdn_gates(a, b, A_log, dt_bias)
+    assert torch.allclose(got_g, want_g, atol=1e-5, rtol=1e-5) and torch.allclose(got_beta, want_beta, atol=1e-6)
+    with pytest.raises(ValueError, match="gdn_gates"):
+        gdn_gates(a, b, A_log[:-1], dt_bias)

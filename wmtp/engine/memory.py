@@ -4,8 +4,9 @@
 - Draft KV: a full-length paged pool (native; windowed with ring=False) or one ring of
   ``sink + W + d`` slots per request (windowed, ring=True).
 - Recurrent state: one GDN conv + SSM state slot per running request (hybrid targets).
-- Verify states (speculative hybrid targets): the SSM state after every verify token, d rows per
-  sequence slot, which the rollback after a partial acceptance reads. It is the largest activation
+- Verify states (speculative hybrid targets): the SSM state after every verify token and the conv
+  window (K-1 old inputs + d new), per sequence slot, which the rollback after a partial
+  acceptance reads. It is the largest activation
   of a verify (d x 2 MiB per GDN layer and request on the 35B shape), so it is sized up front and
   counted in the budget like the pools, never allocated inside a forward.
 
@@ -68,12 +69,23 @@ class Allocation:
 
 
 @dataclass(frozen=True)
+class GdnPools:
+    """Every GDN layer's states stacked [layers, ...]; the verify record too (None when nothing
+    is recorded). Layers hold views of these."""
+
+    conv: torch.Tensor  # [L, slots + 1, C, K-1]
+    ssm: torch.Tensor  # [L, slots + 1, HV, Dk, Dv] fp32
+    verify_states: torch.Tensor | None  # [L, seqs * d, HV, Dk, Dv] fp32
+    verify_windows: torch.Tensor | None  # [L, seqs, K-1+d, C]
+
+
+@dataclass(frozen=True)
 class PoolSizes:
     num_pages: int
     num_draft_pages: int
     num_rings: int
     num_state_slots: int
-    num_verify_rows: int = 0
+    num_verify_seqs: int = 0
 
 
 class MemoryManager:
@@ -116,24 +128,27 @@ class MemoryManager:
         return len(c.linear_attention_layers) * (conv + ssm)
 
     @property
-    def verify_row_bytes(self) -> int:
-        """Bytes of one verify token's recorded SSM states over all GDN layers (0 if none are kept)."""
-        c = self.cfg
+    def verify_seq_bytes(self) -> int:
+        """Bytes one sequence slot's verify record takes over all GDN layers: d fp32 SSM states and
+        K-1+d conv-window rows (0 where nothing is recorded: dense or non-hybrid)."""
+        c, d = self.cfg, self.spec.verify_tokens
         if not (c.is_hybrid and self.spec.speculative):
             return 0
-        return len(c.linear_attention_layers) * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        window = (c.linear_conv_kernel_dim - 1 + d) * c.gdn_conv_dim * self.elt
+        return len(c.linear_attention_layers) * (d * ssm + window)
 
     def _plan(self) -> PoolSizes:
         e, s = self.eng, self.spec
         per_seq_pages = self.pages_for(e.max_model_len + s.num_draft_tokens)
         rings = e.max_num_seqs if s.uses_ring else 0
         states = e.max_num_seqs if self.cfg.is_hybrid else 0
-        verify_rows = e.max_num_seqs * s.verify_tokens if self.verify_row_bytes else 0
+        verify_seqs = e.max_num_seqs if self.verify_seq_bytes else 0
         if e.num_kv_pages is not None:
             pages = e.num_kv_pages
         elif e.kv_memory_bytes is not None:
             fixed = (rings * s.ring_size * self.draft_slot_bytes + states * self.state_slot_bytes
-                     + verify_rows * self.verify_row_bytes)
+                     + verify_seqs * self.verify_seq_bytes)
             per_page = self.target_page_bytes + (e.page_size * self.draft_slot_bytes if self.draft_is_paged else 0)
             pages = (e.kv_memory_bytes - fixed) // max(per_page, 1)
             if pages < per_seq_pages // max(e.max_num_seqs, 1) or pages < 1:
@@ -143,7 +158,7 @@ class MemoryManager:
                 )
         else:
             pages = e.max_num_seqs * per_seq_pages
-        return PoolSizes(pages, pages if self.draft_is_paged else 0, rings, states, verify_rows)
+        return PoolSizes(pages, pages if self.draft_is_paged else 0, rings, states, verify_seqs)
 
     def bytes_report(self) -> dict[str, int]:
         """Bytes of each pool (what the metrics and the memory table report)."""
@@ -153,7 +168,7 @@ class MemoryManager:
             "draft_pool": z.num_draft_pages * self.eng.page_size * self.draft_slot_bytes,
             "draft_ring": z.num_rings * self.spec.ring_size * self.draft_slot_bytes,
             "state_pool": z.num_state_slots * self.state_slot_bytes,
-            "verify_states": z.num_verify_rows * self.verify_row_bytes,
+            "verify_states": z.num_verify_seqs * self.verify_seq_bytes,
         }
 
     def allocation_bytes(self, alloc: Allocation) -> dict[str, int]:
@@ -163,7 +178,7 @@ class MemoryManager:
             "draft_pool": len(alloc.draft_pages) * self.eng.page_size * self.draft_slot_bytes,
             "draft_ring": (alloc.ring is not None) * self.spec.ring_size * self.draft_slot_bytes,
             "state_pool": (alloc.state_slot is not None) * self.state_slot_bytes,
-            "verify_states": self.spec.verify_tokens * self.verify_row_bytes,  # its sequence slot's rows
+            "verify_states": self.verify_seq_bytes,  # its sequence slot's record
         }
 
     # ---- tensors -----------------------------------------------------------------------------
@@ -186,19 +201,23 @@ class MemoryManager:
             dkv = torch.zeros(len(mtp), 2, draft_slots + 1, c.num_kv_heads, c.head_dim, device=device, dtype=self.dtype)
             for i, layer in enumerate(mtp):
                 layer.k_cache, layer.v_cache = dkv[i, 0], dkv[i, 1]
-        n = self.sizes.num_state_slots
+        n, gdn = self.sizes.num_state_slots, model.gdn_layers()
         self.trash_state_slot = n
-        for layer in model.gdn_layers():
-            layer.conv_state = torch.zeros(n + 1, c.gdn_conv_dim, c.linear_conv_kernel_dim - 1, device=device, dtype=self.dtype)
-            layer.ssm_state = torch.zeros(n + 1, layer.hv, layer.dk, layer.dv, device=device, dtype=torch.float32)
-        rows = self.sizes.num_verify_rows
-        if rows:
-            gdn = model.gdn_layers()
-            rec = torch.empty(len(gdn), rows, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+        if gdn:  # one tensor per kind, viewed per layer: the rollback moves every layer in one op
+            conv = torch.zeros(len(gdn), n + 1, c.gdn_conv_dim, c.linear_conv_kernel_dim - 1, device=device, dtype=self.dtype)
+            ssm = torch.zeros(len(gdn), n + 1, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
                               device=device, dtype=torch.float32)
+            seqs, d = self.sizes.num_verify_seqs, self.spec.verify_tokens
+            rec = win = None
+            if seqs:
+                rec = torch.empty(len(gdn), seqs * d, *ssm.shape[2:], device=device, dtype=torch.float32)
+                win = torch.empty(len(gdn), seqs, c.linear_conv_kernel_dim - 1 + d, c.gdn_conv_dim, device=device,
+                                  dtype=self.dtype)
             for i, layer in enumerate(gdn):
-                layer.verify_states = rec[i]
-        self._gdn_layers = model.gdn_layers()
+                layer.conv_state, layer.ssm_state = conv[i], ssm[i]
+                layer.verify_record = None if rec is None else (rec[i], win[i])
+            model.gdn_pools = GdnPools(conv, ssm, rec, win)
+        self._gdn_layers = gdn
 
     # ---- admission ---------------------------------------------------------------------------
     def need(self, total_tokens: int) -> Allocation:

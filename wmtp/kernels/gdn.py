@@ -63,6 +63,21 @@ if triton is not None:
 
 
     @triton.jit
+    def _gates_kernel(A, B, A_LOG, DT_BIAS, G_OUT, BETA_OUT, HV, R, stride_at, stride_ag, stride_bt, stride_bg,
+                      BLOCK_H: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        hs = tl.arange(0, BLOCK_H)
+        ok = hs < HV
+        a = tl.load(A + t * stride_at + (hs // R) * stride_ag + hs % R, mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(B + t * stride_bt + (hs // R) * stride_bg + hs % R, mask=ok, other=0.0)
+        x = a + tl.load(DT_BIAS + hs, mask=ok, other=0.0).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
+        g = -tl.exp(tl.load(A_LOG + hs, mask=ok, other=0.0).to(tl.float32)) * softplus
+        beta = 1.0 / (1.0 + tl.exp(-b.to(tl.float32)))
+        tl.store(G_OUT + t * HV + hs, g, mask=ok)
+        tl.store(BETA_OUT + t * HV + hs, beta.to(BETA_OUT.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def _conv_update_kernel(X, W, STATE, SLOTS, TOK_OFF, Q_LEN, OUT, WIN, C, stride_ss, win_rows,
                             BLOCK_C: tl.constexpr, RECORD: tl.constexpr):
         """Kernel size 4: out[t] = silu(w0 x[t-3] + w1 x[t-2] + w2 x[t-1] + w3 x[t]) per channel,
@@ -101,21 +116,47 @@ if triton is not None:
         tl.store(s_ptr + 2, h1, mask=ok)
 
 
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch_gdn.gdn_gates`` (its twin) in one launch. a, b: [T, G, R] with v-head h at
+    ``[:, h // R, h % R]`` (strided views of the fused ``ba`` projection are fine: no copies).
+    Returns g [T, HV] fp32 and beta [T, HV] in b's dtype."""
+    T, G, R = a.shape
+    HV = G * R
+    if b.shape != a.shape or A_log.shape != (HV,) or dt_bias.shape != (HV,) or a.stride(2) != 1 or b.stride(2) != 1:
+        raise ValueError(f"gdn_gates: a {tuple(a.shape)}, b {tuple(b.shape)} must be [T, G, R] views with unit last "
+                         f"stride and A_log {tuple(A_log.shape)}, dt_bias {tuple(dt_bias.shape)} [{HV}]")
+    g = torch.empty(T, HV, device=a.device, dtype=torch.float32)
+    beta = torch.empty(T, HV, device=a.device, dtype=b.dtype)
+    if T:
+        _gates_kernel[(T,)](a, b, A_log, dt_bias, g, beta, HV, R, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                            BLOCK_H=triton.next_power_of_2(HV))
+    return g, beta
+
+
 def conv_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
-                tok_off: torch.Tensor, q_len: torch.Tensor, record_len: int | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                tok_off: torch.Tensor, q_len: torch.Tensor, record_len: int | None = None,
+                window_into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal depthwise conv (kernel 4) + SiLU over every request's rows of ``x`` [T, C] in one
     launch: request b owns rows ``tok_off[b] ..`` (``q_len[b]`` of them, device tensors) and its
     left context is ``conv_state[slots[b]]`` [C, 3], updated in place. With ``record_len`` n
     (every request has n rows: a verify) also returns the windows [B, 3 + n, C] (old context, then
-    the inputs) that the rollback reads. Twin: ``torch_gdn.causal_conv1d`` per request."""
+    the inputs) that the rollback reads, written into ``window_into[:B]`` when given (the engine's
+    preallocated verify record). Twin: ``torch_gdn.causal_conv1d`` per request."""
     T, C = x.shape
     if weight.shape != (C, 4) or conv_state.shape[1:] != (C, 3) or not conv_state.is_contiguous():
         raise ValueError(f"conv_update: weight {tuple(weight.shape)} must be [{C}, 4] and conv_state "
                          f"{tuple(conv_state.shape)} a contiguous [slots, {C}, 3] (kernel size 4 only)")
     B = slots.shape[0]
     out = torch.empty_like(x)
-    win = None if record_len is None else torch.empty(B, 3 + record_len, C, device=x.device, dtype=conv_state.dtype)
+    win = None
+    if record_len is not None and window_into is not None:
+        if window_into.shape[0] < B or window_into.shape[1:] != (3 + record_len, C):
+            raise ValueError(f"conv_update: window_into {tuple(window_into.shape)} cannot hold {B} windows of "
+                             f"[{3 + record_len}, {C}]")
+        win = window_into[:B]
+    elif record_len is not None:
+        win = torch.empty(B, 3 + record_len, C, device=x.device, dtype=conv_state.dtype)
     block_c = 256
     _conv_update_kernel[(B, triton.cdiv(C, block_c))](
         x.contiguous(), weight.contiguous(), conv_state, slots, tok_off, q_len, out, out if win is None else win,

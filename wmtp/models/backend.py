@@ -59,16 +59,24 @@ class Backend(ABC):
         ctx: ForwardContext,
         layer_idx: int,
         dims: tuple[int, int, int, int, int],
-        record_into: torch.Tensor | None = None,
+        record_into: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Causal conv + SiLU, then the gated delta rule, carrying per-request state slots.
 
         mixed_qkv: [T, conv_dim] pre-conv [q | k | v]; g, beta: [T, HV]; conv_state:
         [slots, conv_dim, K-1]; ssm_state: [slots, HV, Dk, Dv] fp32; dims = (HK, HV, Dk, Dv, K).
         Updates the states of ``ctx.state_slots`` in place. Returns [T, HV, Dv]. With
-        ``ctx.record_states`` the per-token states go to ``record_into[:T]`` when given (the
-        engine's preallocated verify states), else to a new tensor.
+        ``ctx.record_states`` (every request has n tokens) ``ctx.recorded[layer_idx]`` gets the
+        conv windows [B, K-1+n, C] and per-token states [B, n, HV, Dk, Dv], written into
+        ``record_into`` = (states [>= B*n, ...], windows [>= B, ...]) when given (the engine's
+        preallocated verify record), else into new tensors.
         """
+
+    @abstractmethod
+    def gdn_gates(self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """GDN decay / write gates: g = -exp(A_log) * softplus(a + dt_bias) (fp32), beta = sigmoid(b).
+        a, b: [T, G, R] (v-head h at ``[:, h // R, h % R]``); returns g, beta [T, G * R]."""
 
     @abstractmethod
     def moe(
@@ -130,6 +138,11 @@ class TorchBackend(Backend):
 
         return gated_rms_norm(x, gate, weight, eps)
 
+    def gdn_gates(self, a, b, A_log, dt_bias):
+        from wmtp.kernels.torch_gdn import gdn_gates
+
+        return gdn_gates(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1), A_log, dt_bias)
+
     def attention(self, q, k, v, k_cache, v_cache, ctx, scale):
         _write_kv(k, v, k_cache, v_cache, ctx)
         out = torch.empty_like(q)
@@ -184,10 +197,11 @@ class TorchBackend(Backend):
             ssm_state[slot] = new_state.to(ssm_state.dtype)
             out[lo : lo + n] = o
         if ctx.record_states:
-            states = torch.stack(all_states)
+            win, states = torch.stack(windows), torch.stack(all_states)
             if record_into is not None:
-                states = record_into[: states.shape[0] * states.shape[1]].view(states.shape).copy_(states)
-            ctx.recorded[layer_idx] = (torch.stack(windows), states)
+                states = record_into[0][: states.shape[0] * states.shape[1]].view(states.shape).copy_(states)
+                win = record_into[1][: win.shape[0]].copy_(win)
+            ctx.recorded[layer_idx] = (win, states)
         return out
 
     def moe(self, x, router_weight, gate_up, down, top_k, norm_topk_prob, shared=None):
@@ -268,6 +282,13 @@ class TritonBackend(TorchBackend):
 
         return rms_norm(x, weight, eps, gate=gate)
 
+    def gdn_gates(self, a, b, A_log, dt_bias):
+        if a.dtype == torch.float64:
+            return super().gdn_gates(a, b, A_log, dt_bias)
+        from wmtp.kernels.gdn import gdn_gates
+
+        return gdn_gates(a, b, A_log, dt_bias)
+
     def capturable_moe(self, num_tokens: int, cfg, dtype: torch.dtype) -> bool:
         """Whether ``moe`` over ``num_tokens`` avoids host syncs (CUDA-graph capture): the pair-wise
         GEMV and the grouped GEMM do; the reference's ``torch.unique`` does not."""
@@ -314,12 +335,13 @@ class TritonBackend(TorchBackend):
         _, q_len, tok_off = ctx.device_lens
         # one launch each for the conv (all requests, state slots updated in place) and the delta rule;
         # q / k stay k-head views of the conv output (no repeat to the v heads, no copies)
+        rec_states, rec_windows = record_into if record_into is not None else (None, None)
         conv_out, window = conv_update(mixed_qkv, conv_weight, conv_state, slots, tok_off, q_len,
-                                       n if ctx.record_states else None)
+                                       n if ctx.record_states else None, rec_windows)
         q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
         T = conv_out.shape[0]
         o, states = gdn_recurrent(q.view(T, hk, dk), k.view(T, hk, dk), v.view(T, hv, dv), g, beta, ssm_state, slots,
-                                  tok_off, q_len, ctx.record_states, record_into)
+                                  tok_off, q_len, ctx.record_states, rec_states)
         if ctx.record_states:
             ctx.recorded[layer_idx] = (window, states.view(B, n, *states.shape[1:]))
         return o

@@ -91,7 +91,8 @@ class GatedDeltaNet(nn.Module):
 
     conv_state: torch.Tensor
     ssm_state: torch.Tensor
-    verify_states: torch.Tensor | None = None  # [rows, HV, Dk, Dv] fp32, bound by the engine (verify record)
+    # (states [rows, HV, Dk, Dv] fp32, windows [seqs, K-1+d, C]) a verify records into, bound by the engine
+    verify_record: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend: Backend) -> None:
         super().__init__()
@@ -120,27 +121,26 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(value_dim, h, bias=False)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Returns mixed_qkv [T, conv_dim] in [q | k | v] order, z [T, HV, Dv], b, a [T, HV]."""
+        """Returns mixed_qkv [T, conv_dim] in [q | k | v] order, z [T, HV, Dv], and b, a as [T, G, R]
+        views (v-head h at ``[:, h // R, h % R]``; G = HK for the fused layout, 1 for the split one)."""
         t = x.shape[0]
         if not self.fused:
             z = self.in_proj_z(x).view(t, self.hv, self.dv)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x).view(t, 1, self.hv), self.in_proj_a(x).view(t, 1, self.hv)
         # Fused layout is grouped per key head: [q(Dk) k(Dk) v(r*Dv) z(r*Dv)] and [b(r) a(r)].
         r = self.hv // self.hk
         qkvz = self.in_proj_qkvz(x).view(t, self.hk, 2 * self.dk + 2 * r * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
         b, a = self.in_proj_ba(x).view(t, self.hk, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
-        return mixed, z.reshape(t, self.hv, self.dv), b.reshape(t, self.hv), a.reshape(t, self.hv)
+        return mixed, z.reshape(t, self.hv, self.dv), b, a
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        from wmtp.kernels.torch_gdn import gdn_gates
-
         mixed, z, b, a = self._project(x)
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
+        g, beta = self.backend.gdn_gates(a, b, self.A_log, self.dt_bias)
         core = self.backend.gated_delta_net(
             mixed, g, beta, self.conv1d.weight.squeeze(1), self.conv_state, self.ssm_state, ctx,
-            self.layer_idx, (self.hk, self.hv, self.dk, self.dv, self.kernel), self.verify_states,
+            self.layer_idx, (self.hk, self.hv, self.dk, self.dv, self.kernel), self.verify_record,
         )
         core = self.backend.gated_rms_norm(core, z, self.norm.weight, self.norm_eps)
         return self.out_proj(core.reshape(x.shape[0], -1))

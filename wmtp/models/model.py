@@ -138,7 +138,21 @@ class CausalLM(nn.Module):
     def rollback_states(self, slots: torch.Tensor, accepted: torch.Tensor, recorded: dict) -> None:
         """After a verify with ``record_states``: set each GDN layer's states in ``slots`` [B] to
         those after verify token ``accepted[b]`` (device tensors, no host sync: graph-capturable)."""
-        for layer in self.gdn_layers():
+        layers = self.gdn_layers()
+        pools = getattr(self, "gdn_pools", None)
+        if pools is not None and pools.verify_states is not None and all(
+                recorded[l.layer_idx][1].data_ptr() == pools.verify_states[i].data_ptr() for i, l in enumerate(layers)):
+            # the engine's stacked pools: every layer in one gather / scatter per state kind
+            B, n = recorded[layers[0].layer_idx][1].shape[:2]
+            rows = torch.arange(B, device=accepted.device) * n + accepted
+            pools.ssm[:, slots] = pools.verify_states[:, rows]
+            k1 = pools.conv.shape[-1]
+            idx = (accepted[:, None] + 1 + torch.arange(k1, device=accepted.device))[None, :, :, None]
+            win = pools.verify_windows[:, :B]
+            conv = win.gather(2, idx.expand(win.shape[0], B, k1, win.shape[-1]))
+            pools.conv[:, slots] = conv.transpose(2, 3).to(pools.conv.dtype)
+            return
+        for layer in layers:
             window, states = recorded[layer.layer_idx]  # [B, K-1+n, C], [B, n, HV, Dk, Dv]
             rows = torch.arange(states.shape[0], device=states.device)
             layer.ssm_state[slots] = states[rows, accepted].to(layer.ssm_state.dtype)
