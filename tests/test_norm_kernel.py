@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from wmtp.kernels.norm import rms_norm  # noqa: E402
+from wmtp.kernels.norm import add_rms_norm, rms_norm  # noqa: E402
 from wmtp.kernels.torch_gdn import gated_rms_norm  # noqa: E402
 from wmtp.models.backend import TorchBackend  # noqa: E402
 
@@ -44,6 +44,21 @@ def test_gated_rms_norm_matches_reference(dtype):
     assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [False, True])
+def test_add_rms_norm_matches_reference(offset, dtype):
+    g = torch.Generator().manual_seed(2)
+    x, r = ((torch.randn(6, 96, generator=g) * 3).to(DEVICE, dtype) for _ in range(2))
+    w = (torch.randn(96, generator=g) * 0.3 + (0 if offset else 1)).to(DEVICE, dtype)
+    want_n, want_s = TorchBackend().add_rms_norm(x, r, w, 1e-6, offset)
+    got_n, got_s = add_rms_norm(x, r, w, 1e-6, offset)
+    assert torch.equal(got_s, want_s)  # the sum is rounded exactly as the reference's add
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got_n.float() - want_n.float()).abs().max().item() <= tol * want_n.float().abs().max().item()
+
+
 def test_shape_errors_name_the_tensors():
+    with pytest.raises(ValueError, match="add_rms_norm"):
+        add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 7), torch.zeros(8), 1e-6)
     with pytest.raises(ValueError, match="rms_norm"):
         rms_norm(torch.zeros(2, 8), torch.zeros(9), 1e-6)

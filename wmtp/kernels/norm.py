@@ -20,11 +20,16 @@ except ImportError:  # pragma: no cover
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(X, W, Z, OUT, D, eps, OFFSET: tl.constexpr, GATED: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _rms_norm_kernel(X, W, Z, RES, SUM_OUT, OUT, D, eps, OFFSET: tl.constexpr, GATED: tl.constexpr,
+                         RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
         ok = cols < D
-        x = tl.load(X + row * D + cols, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(X + row * D + cols, mask=ok, other=0.0)
+        if RESIDUAL:  # x + residual, rounded to the activation dtype as the reference's add is
+            x = x + tl.load(RES + row * D + cols, mask=ok, other=0.0)
+            tl.store(SUM_OUT + row * D + cols, x, mask=ok)
+        x = x.to(tl.float32)
         h = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)
         w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
         if OFFSET:
@@ -48,6 +53,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     out = torch.empty_like(x2)
     z = x2 if gate is None else gate.reshape(-1, D).contiguous()
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, z, out, D, eps, OFFSET=offset, GATED=gate is not None,
-                                         BLOCK_D=triton.next_power_of_2(D))
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight, z, x2, x2, out, D, eps, OFFSET=offset, GATED=gate is not None,
+                                         RESIDUAL=False, BLOCK_D=triton.next_power_of_2(D))
     return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` and ``rms_norm(s)`` in one launch; returns (normed, s)."""
+    D = x.shape[-1]
+    if weight.shape != (D,) or residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} "
+                         f"{residual.dtype}, weight {tuple(weight.shape)} disagree")
+    x2, r2 = x.reshape(-1, D).contiguous(), residual.reshape(-1, D).contiguous()
+    out, summed = torch.empty_like(x2), torch.empty_like(x2)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight, x2, r2, summed, out, D, eps, OFFSET=offset, GATED=False,
+                                         RESIDUAL=True, BLOCK_D=triton.next_power_of_2(D))
+    return out.view(x.shape), summed.view(x.shape)

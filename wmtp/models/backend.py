@@ -26,6 +26,12 @@ class Backend(ABC):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
         """RMSNorm over the last dim; ``offset`` selects the Qwen3-Next ``x * (1 + w)`` form."""
 
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm residual step: ``s = x + residual``; returns (``rms_norm(s)``, s)."""
+        s = x + residual
+        return self.rms_norm(s, weight, eps, offset), s
+
     @abstractmethod
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """GDN's output norm: ``weight * rmsnorm(x) * silu(gate)`` over the last dim."""
@@ -274,6 +280,13 @@ class TritonBackend(TorchBackend):
         from wmtp.kernels.norm import rms_norm
 
         return rms_norm(x, weight, eps, offset)
+
+    def add_rms_norm(self, x, residual, weight, eps, offset):
+        if x.dtype == torch.float64:
+            return super().add_rms_norm(x, residual, weight, eps, offset)
+        from wmtp.kernels.norm import add_rms_norm
+
+        return add_rms_norm(x, residual, weight, eps, offset)
 
     def gated_rms_norm(self, x, gate, weight, eps):
         if x.dtype == torch.float64:

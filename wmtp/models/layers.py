@@ -26,6 +26,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.rms_norm(x, self.weight, self.eps, self.offset)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one op."""
+        return self.backend.add_rms_norm(x, residual, self.weight, self.eps, self.offset)
+
 
 def make_norm(cfg: ModelConfig, dim: int, backend: Backend) -> RMSNorm:
     return RMSNorm(dim, cfg.rms_norm_eps, cfg.norm_offset, backend)
@@ -209,5 +213,5 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, cos_sin, ctx)
         else:
             h = self.linear_attn(h, ctx)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add_forward(x, h)
+        return x + self.mlp(h)
