@@ -285,6 +285,17 @@ def test_report_every_section(tmp_path):
     assert not rep.warnings
 
 
+def test_report_same_kind_in_subfolders_gets_separate_plots(tmp_path):
+    """Two batch sweeps (e.g. at 1M and at 131K) in different folders: two sections, two plots."""
+    for sub in ("a", "b"):
+        write_fake_results(tmp_path / "res" / sub, kinds=["batch_sweep"])
+    rep = build_report(tmp_path / "res", tmp_path / "out" / "REPORT.md")
+    text = (tmp_path / "out" / "REPORT.md").read_text()
+    names = sorted(p.name for p in rep.pngs)
+    assert names == ["pareto_a_fake_batch_sweep.png", "pareto_b_fake_batch_sweep.png"]
+    assert all(f"]({n})" in text for n in names) and "`a/fake_batch_sweep.json`" in text
+
+
 def test_report_partial_states_missing(tmp_path):
     write_fake_results(tmp_path, kinds=["step", "acceptance"])
     rep = build_report(tmp_path)

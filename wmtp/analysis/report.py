@@ -79,10 +79,16 @@ class ResultFile:
     kind: str
     meta: dict
     rows: list[dict]
+    name: str = ""  # path relative to the results directory (files of one kind may sit in subfolders)
 
     @property
     def label(self) -> str:
-        return f"{self.meta['model']} · {self.meta['hardware']} · `{self.path.name}`"
+        return f"{self.meta['model']} · {self.meta['hardware']} · `{self.name or self.path.name}`"
+
+    @property
+    def slug(self) -> str:
+        """Unique per file in a report: names its plots."""
+        return (self.name or self.path.name).removesuffix(".json").replace("/", "_")
 
 
 class Report:
@@ -128,7 +134,9 @@ def load_results(results_dir: str | Path) -> tuple[list[ResultFile], list[str]]:
             # other result files (load time, kernels, TTFT, GPU identity) live beside these
             ignored.append(str(path.relative_to(root)))
             continue
-        files.append(validate(obj, path))
+        f = validate(obj, path)
+        f.name = str(path.relative_to(root))
+        files.append(f)
     return files, ignored
 
 
@@ -302,7 +310,7 @@ def _plot_context(rep: Report, f: ResultFile, modes: list[str]) -> None:
     a2.set_title("the windowing wedge (paper Fig. 3)")
     a2.axhline(0, color="k", lw=0.6)
     fig.suptitle(f"{f.meta['model']} · d={f.rows[0]['d']} · {_short_meta(f)}", fontsize=9)
-    rep.figure(fig, f"context_wedge_{f.path.stem}.png", "Context wedge: T_iter and step_native/step_windowed − 1 vs S (mean ± 95% CI)")
+    rep.figure(fig, f"context_wedge_{f.slug}.png", "Context wedge: T_iter and step_native/step_windowed − 1 vs S (mean ± 95% CI)")
 
 
 def _tokens(n: int) -> str:
@@ -403,7 +411,7 @@ def _plot_depth(rep: Report, f: ResultFile, fits: dict) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(f"Latency model T_iter = γ·t_draft_fwd + c · {f.meta['model']} · S={f.rows[0]['S']}", fontsize=9)
-    rep.figure(fig, f"latency_fit_{f.path.stem}.png", "Latency-model fit per mode: per-run points, mean ± 95% CI, OLS line")
+    rep.figure(fig, f"latency_fit_{f.slug}.png", "Latency-model fit per mode: per-run points, mean ± 95% CI, OLS line")
 
 
 PHASES = ("t_verify_base_s", "t_verify_ovh_s", "t_draft_ctx_s", "t_draft_fwd_s")
@@ -450,7 +458,7 @@ def _plot_phases(rep: Report, f: ResultFile) -> None:
     ax.legend(handles[::-1], labels[::-1], fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(f"Phase decomposition · {f.meta['model']} · S={f.rows[0]['S']}", fontsize=9)
     ax.grid(axis="y", alpha=0.3)
-    rep.figure(fig, f"phases_{f.path.stem}.png", "Per-iteration phases (stacked means) with the measured T_iter (black bar)")
+    rep.figure(fig, f"phases_{f.slug}.png", "Per-iteration phases (stacked means) with the measured T_iter (black bar)")
 
 
 def section_verify_by_k(rep: Report, f: ResultFile) -> None:
@@ -480,7 +488,7 @@ def section_verify_by_k(rep: Report, f: ResultFile) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(f"AL-matched verify overhead · {f.meta['model']} · d={f.rows[0]['d']}", fontsize=9)
-    rep.figure(fig, f"verify_by_k_{f.path.stem}.png", "t_verify_ovh per accepted count k (mean ± 95% CI)")
+    rep.figure(fig, f"verify_by_k_{f.slug}.png", "t_verify_ovh per accepted count k (mean ± 95% CI)")
 
 
 def section_window_sweep(rep: Report, f: ResultFile) -> None:
@@ -523,7 +531,7 @@ def _plot_window(rep: Report, f: ResultFile, native: dict | None) -> None:
     a1.set_title("per-iteration time vs draft window")
     a2.set_title("cost-side speedup over native (> 1: windowing is cheaper)")
     fig.suptitle(f"{f.meta['model']} · d={rs[0]['d']} · S={rs[0]['S']} · {_short_meta(f)}", fontsize=9)
-    rep.figure(fig, f"window_{f.path.stem}.png", "Window dose-response (cost side): T_iter vs W + sink, native as a band; "
+    rep.figure(fig, f"window_{f.slug}.png", "Window dose-response (cost side): T_iter vs W + sink, native as a band; "
                "T_native / T_W (mean ± 95% CI)")
 
 
@@ -533,7 +541,9 @@ def section_batch_sweep(rep: Report, f: ResultFile) -> None:
              fmt_ci(mean_ci(r["system_tok_s"]), 1, 1)] for r in sorted(f.rows, key=lambda r: (r["mode"], r["d"], r["B"]))]
     rep.table(["mode", "d", "B", "admitted", "per-user tok/s", "system tok/s"], rows)
     most = _max_admitted(f.rows)
-    rep.add("Most requests seated at once (the memory ceiling of each curve): "
+    contexts = sorted({r["S"] for r in f.rows if "S" in r})
+    at = f" at S = {', '.join(map(str, contexts))} tokens per request" if contexts else ""
+    rep.add(f"Most requests seated at once{at} (the memory ceiling of each curve): "
             + ", ".join(f"{m} d={d}: {n}" for (m, d), n in most.items()), "")
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -556,8 +566,9 @@ def section_batch_sweep(rep: Report, f: ResultFile) -> None:
     ax.set_ylabel("system throughput (tok/s)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(f"Throughput-latency Pareto (up and right is better) · {f.meta['model']}", fontsize=9)
-    rep.figure(fig, f"pareto_{f.path.stem}.png", "Pareto: per-user vs system throughput per mode and depth, labelled by batch size B (means over runs); "
+    ax.set_title(f"Throughput-latency Pareto (up and right is better) · {f.meta['model']}"
+                 + (f" · S={', '.join(map(str, contexts))}" if contexts else ""), fontsize=9)
+    rep.figure(fig, f"pareto_{f.slug}.png", "Pareto: per-user vs system throughput per mode and depth, labelled by batch size B (means over runs); "
                "ringed: the largest batch the pools seat")
 
 
@@ -638,7 +649,7 @@ def _plot_alphas(rep: Report, f: ResultFile) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower left")
     fig.suptitle(f"α_j profiles with Wilson 95% intervals · {f.meta['model']} · {_short_meta(f)}", fontsize=9)
-    rep.figure(fig, f"alpha_{f.path.stem}.png", "Conditional acceptance α_j per draft position, Wilson 95% intervals (pooled over runs)")
+    rep.figure(fig, f"alpha_{f.slug}.png", "Conditional acceptance α_j per draft position, Wilson 95% intervals (pooled over runs)")
 
 
 def section_probe(rep: Report, f: ResultFile) -> None:
