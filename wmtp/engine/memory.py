@@ -6,9 +6,9 @@
 - Recurrent state: one GDN conv + SSM state slot per running request (hybrid targets).
 - Verify states (speculative hybrid targets): the SSM state after every verify token and the conv
   window (K-1 old inputs + d new), per sequence slot, which the rollback after a partial
-  acceptance reads. It is the largest activation
-  of a verify (d x 2 MiB per GDN layer and request on the 35B shape), so it is sized up front and
-  counted in the budget like the pools, never allocated inside a forward.
+  acceptance reads. It is the largest activation of a verify (d x 2 MiB per GDN layer and request
+  on the 35B shape), so it is sized up front and counted in the budget like the pools, never
+  allocated inside a forward.
 
 A request reserves its worst case at admission (pages for prompt + max_tokens + d), so a running
 request can never run out of memory; one that does not fit waits, and one that could never fit is
@@ -101,6 +101,7 @@ class MemoryManager:
         self.state_slots = FreeList(self.sizes.num_state_slots)
         self.seq_slots = FreeList(eng.max_num_seqs)
         self.held: dict[int, tuple[Allocation, int]] = {}  # request id -> (allocation, seq slot)
+        self.gdn_pools: GdnPools | None = None  # set by bind (hybrid targets)
 
     # ---- sizing ------------------------------------------------------------------------------
     @property
@@ -216,8 +217,7 @@ class MemoryManager:
             for i, layer in enumerate(gdn):
                 layer.conv_state, layer.ssm_state = conv[i], ssm[i]
                 layer.verify_record = None if rec is None else (rec[i], win[i])
-            model.gdn_pools = GdnPools(conv, ssm, rec, win)
-        self._gdn_layers = gdn
+            self.gdn_pools = model.gdn_pools = GdnPools(conv, ssm, rec, win)
 
     # ---- admission ---------------------------------------------------------------------------
     def need(self, total_tokens: int) -> Allocation:
@@ -263,9 +263,9 @@ class MemoryManager:
             state_slot=self.state_slots.allocate(1)[0] if n.state_slot is not None else None,
         )
         if alloc.state_slot is not None:
-            for layer in getattr(self, "_gdn_layers", []):
-                layer.conv_state[alloc.state_slot].zero_()
-                layer.ssm_state[alloc.state_slot].zero_()
+            if self.gdn_pools is not None:  # every GDN layer's slot at once
+                self.gdn_pools.conv[:, alloc.state_slot].zero_()
+                self.gdn_pools.ssm[:, alloc.state_slot].zero_()
         self.held[req_id] = (alloc, self.seq_slots.allocate(1)[0])
         return alloc
 

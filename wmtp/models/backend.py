@@ -93,7 +93,7 @@ class Backend(ABC):
         down: torch.Tensor,
         top_k: int,
         norm_topk_prob: bool,
-        shared: "SharedExpert | None" = None,
+        shared: SharedExpert | None = None,
     ) -> torch.Tensor:
         """Softmax router, top-k routed experts, plus the sigmoid-gated ``shared`` expert when given.
         x: [N, H]; gate_up: [E, 2I, H]; down: [E, H, I]."""

@@ -137,29 +137,24 @@ class CausalLM(nn.Module):
 
     def rollback_states(self, slots: torch.Tensor, accepted: torch.Tensor, recorded: dict) -> None:
         """After a verify with ``record_states``: set each GDN layer's states in ``slots`` [B] to
-        those after verify token ``accepted[b]`` (device tensors, no host sync: graph-capturable)."""
+        those after verify token ``accepted[b]`` (device tensors, no host sync: graph-capturable).
+        The verify recorded into the engine's stacked record (``MemoryManager.bind``), so every
+        layer moves in one gather / scatter per state kind."""
         layers = self.gdn_layers()
         pools = getattr(self, "gdn_pools", None)
-        if pools is not None and pools.verify_states is not None and all(
-                recorded[l.layer_idx][1].data_ptr() == pools.verify_states[i].data_ptr() for i, l in enumerate(layers)):
-            # the engine's stacked pools: every layer in one gather / scatter per state kind
-            B, n = recorded[layers[0].layer_idx][1].shape[:2]
-            rows = torch.arange(B, device=accepted.device) * n + accepted
-            pools.ssm[:, slots] = pools.verify_states[:, rows]
-            k1 = pools.conv.shape[-1]
-            idx = (accepted[:, None] + 1 + torch.arange(k1, device=accepted.device))[None, :, :, None]
-            win = pools.verify_windows[:, :B]
-            conv = win.gather(2, idx.expand(win.shape[0], B, k1, win.shape[-1]))
-            pools.conv[:, slots] = conv.transpose(2, 3).to(pools.conv.dtype)
-            return
-        for layer in layers:
-            window, states = recorded[layer.layer_idx]  # [B, K-1+n, C], [B, n, HV, Dk, Dv]
-            rows = torch.arange(states.shape[0], device=states.device)
-            layer.ssm_state[slots] = states[rows, accepted].to(layer.ssm_state.dtype)
-            # conv state after token a = the K-1 inputs ending at window row a + K-1
-            idx = accepted[:, None] + 1 + torch.arange(layer.kernel - 1, device=window.device)
-            conv = window.gather(1, idx[..., None].expand(-1, -1, window.shape[-1]))
-            layer.conv_state[slots] = conv.transpose(1, 2).to(layer.conv_state.dtype)
+        if pools is None or pools.verify_states is None or any(
+                recorded[l.layer_idx][1].data_ptr() != pools.verify_states[i].data_ptr() for i, l in enumerate(layers)):
+            raise RuntimeError("rollback_states: the verify did not record into the engine's stacked verify record "
+                               "(GatedDeltaNet.verify_record, bound by MemoryManager.bind)")
+        B, n = recorded[layers[0].layer_idx][1].shape[:2]
+        rows = torch.arange(B, device=accepted.device) * n + accepted
+        pools.ssm[:, slots] = pools.verify_states[:, rows]
+        # conv state after token a = the K-1 inputs ending at window row a + K-1
+        k1 = pools.conv.shape[-1]
+        idx = (accepted[:, None] + 1 + torch.arange(k1, device=accepted.device))[None, :, :, None]
+        win = pools.verify_windows[:, :B]
+        conv = win.gather(2, idx.expand(win.shape[0], B, k1, win.shape[-1]))
+        pools.conv[:, slots] = conv.transpose(2, 3).to(pools.conv.dtype)
 
     # ---- cache views ----------------------------------------------------------------------
     def attention_layers(self) -> list[nn.Module]:
