@@ -2,7 +2,8 @@
 Decode iterations run eagerly (``--graphs off``, the default) or replay their CUDA graphs
 (``--graphs auto``: CUPTI still records every kernel inside the graphs). Besides torch's tables it
 writes a per-iteration kernel summary: how many kernels, their summed time, the time the GPU was
-busy and the span, so launch gaps and slow kernels can be told apart. ``--prefill N`` profiles a
+busy, the span and the idle stretches over 5 us (host work between replays), so launch gaps, host
+gaps and slow kernels can be told apart. ``--prefill N`` profiles a
 real N-token chunked prefill (TTFT) instead.
 
     python benchmarks/profile_step.py --modes native --context 1040000 --out prof.txt
@@ -80,9 +81,12 @@ def kernel_summary(prof, iters: int) -> dict:
     if not kernels:
         return {"line": "no kernels recorded", "table": ""}
     busy, cur_lo, cur_hi = 0.0, kernels[0].time_range.start, kernels[0].time_range.end
+    long_gaps = []  # idle stretches > 5 us: host work between replays (in-graph gaps are ~1 us)
     for e in kernels[1:]:
         if e.time_range.start > cur_hi:
             busy, cur_lo = busy + cur_hi - cur_lo, e.time_range.start
+            if e.time_range.start - cur_hi > 5:
+                long_gaps.append(e.time_range.start - cur_hi)
         cur_hi = max(cur_hi, e.time_range.end)
     busy += cur_hi - cur_lo
     span = kernels[-1].time_range.end - kernels[0].time_range.start
@@ -95,7 +99,8 @@ def kernel_summary(prof, iters: int) -> dict:
     rows = sorted(groups.items(), key=lambda kv: -kv[1][1])
     table = "\n".join(f"{t / iters / 1e3:9.3f} ms {c / iters:7.1f}x {t / c:8.2f} us  {n}" for n, (c, t) in rows[:40])
     line = (f"{len(kernels) / iters:.0f} kernels/iter, kernel sum {total / iters / 1e3:.2f} ms, busy {busy / iters / 1e3:.2f} ms,"
-            f" span {span / iters / 1e3:.2f} ms per iteration")
+            f" span {span / iters / 1e3:.2f} ms per iteration; idle > 5 us: {len(long_gaps) / iters:.1f}x,"
+            f" {sum(long_gaps) / iters / 1e3:.3f} ms per iteration")
     return {"line": line, "table": table}
 
 

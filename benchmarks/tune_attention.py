@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--block-n", default="16,32,64,128")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="1,2,3,4")
+    ap.add_argument("--splits", default="0", help="num_splits candidates (0 = the kernel's choice)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -59,9 +60,9 @@ def main() -> None:
 
         default = run()
         results = []
-        grid = [[int(x) for x in v.split(",")] for v in (a.rows, a.block_n, a.warps, a.stages)]
-        for mr, bn, nw, ns in itertools.product(*grid):
-            cfg = {"max_rows": mr, "block_n": bn, "num_warps": nw, "num_stages": ns}
+        grid = [[int(x) for x in v.split(",")] for v in (a.rows, a.block_n, a.warps, a.stages, a.splits)]
+        for mr, bn, nw, ns, sp in itertools.product(*grid):
+            cfg = {"max_rows": mr, "block_n": bn, "num_warps": nw, "num_stages": ns, "num_splits": sp or None}
             try:
                 results.append({**cfg, "ms": run(**cfg)})
             except Exception as e:  # out of shared memory / registers for this tile: not a candidate
@@ -70,7 +71,7 @@ def main() -> None:
         rows.append({"q_len": q_len, "default_ms": default, "best": best, "all": results})
         print(f"q_len {q_len}: default {default:.3f} ms ({kv_bytes / default / 1e9:.2f} TB/s) | best {best['ms']:.3f} ms "
               f"({kv_bytes / best['ms'] / 1e9:.2f} TB/s) at rows={best['max_rows']} block_n={best['block_n']} warps={best['num_warps']} "
-              f"stages={best['num_stages']}", flush=True)
+              f"stages={best['num_stages']} splits={best['num_splits'] or 'auto'}", flush=True)
     meta = {"hardware": torch.cuda.get_device_name(), "S": S, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": D,
             "page_size": page, "pool_layers": a.pool_layers, "table": a.table, "dtype": "bfloat16", "timing": "triton.testing.do_bench_cudagraph"}
     with open(a.out, "w") as f:

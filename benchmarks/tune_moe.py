@@ -36,7 +36,7 @@ def main() -> None:
     rows = []
     for T in map(int, a.tokens.split(",")):
         x = torch.randn(T, H, device=dev, dtype=dt)
-        w, i = route_topk(torch.randn(T, E, device=dev), k, True)
+        w, i, _ = route_topk(torch.randn(T, E, device=dev), k, True)
         h = swiglu_gemv(x, gate_up[:, :I], gate_up[:, I:], i.view(-1), k)
         distinct = int(torch.unique(i).numel())
         cases = {

@@ -34,10 +34,24 @@ def _shared(H: int, inter: int, seed: int, dtype=torch.float32) -> SharedExpert:
 def test_route_topk_matches_reference(E, top_k, norm):
     g = torch.Generator().manual_seed(E)
     logits = (torch.randn(5, E, generator=g) * 3).to(DEVICE)
-    probs_w, probs_i = route_topk(logits, top_k, norm)
+    probs_w, probs_i, no_shared = route_topk(logits, top_k, norm)
     want_w, want_i = route(logits, torch.eye(E, device=DEVICE), top_k, norm)  # identity router: logits as given
     assert torch.equal(probs_i.long(), want_i)
     assert torch.allclose(probs_w, want_w, atol=1e-6)
+    assert no_shared is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bf16 rounding)")])])
+def test_route_topk_computes_the_shared_gate_logit(dtype):
+    """The shared expert's gate logit x . w comes out of the routing launch, rounded as F.linear's."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 1500, generator=g).to(DEVICE, dtype)  # hidden over more than one block
+    gate = (torch.randn(1, 1500, generator=g) * 0.05).to(DEVICE, dtype)
+    r = route_topk(torch.randn(4, 8, generator=g).to(DEVICE), 2, True, x, gate)
+    want = torch.nn.functional.linear(x, gate).float().view(-1)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2 * want.abs().max().item()
+    assert r.shared_logit.shape == (4,) and (r.shared_logit - want).abs().max().item() <= tol
 
 
 def test_swiglu_gemv_matches_reference():
@@ -53,8 +67,8 @@ def test_swiglu_gemv_matches_reference():
     assert torch.allclose(single, torch.nn.functional.silu(x @ w[2, :40].T) * (x @ w[2, 40:].T), atol=1e-4)
 
 
-@pytest.mark.parametrize("with_add", [False, True])
-def test_down_combine_matches_reference(with_add):
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_down_combine_matches_reference(with_shared):
     g = torch.Generator().manual_seed(1)
     down = torch.randn(6, 50, 140, generator=g).to(DEVICE)
     h = torch.randn(4 * 3, 140, generator=g).to(DEVICE)
@@ -62,11 +76,13 @@ def test_down_combine_matches_reference(with_add):
     top_w = torch.rand(4, 3, generator=g).to(DEVICE)
     y = torch.einsum("pnk,pk->pn", down[idx.view(-1)], h).view(4, 3, 50)
     want = (y * top_w[..., None]).sum(1)
-    add = gate = None
-    if with_add:
-        add, gate = torch.randn(4, 50, generator=g).to(DEVICE), torch.randn(4, 1, generator=g).to(DEVICE)
-        want = want + torch.sigmoid(gate) * add
-    assert torch.allclose(down_combine(h, down, idx, top_w, 3, add, gate), want, atol=1e-4)
+    shared = None
+    if with_shared:  # the shared expert's down projection (Ks = 300: more than one K block) and gate
+        hs, ws = torch.randn(4, 300, generator=g).to(DEVICE), (torch.randn(50, 300, generator=g) * 0.1).to(DEVICE)
+        logit = torch.randn(4, generator=g).to(DEVICE)
+        shared = (hs, ws, logit)
+        want = want + torch.sigmoid(logit)[:, None] * (hs @ ws.T)
+    assert torch.allclose(down_combine(h, down, idx, top_w, 3, shared), want, atol=1e-4)
 
 
 @pytest.mark.parametrize("tokens,top_k,norm,shared", [(1, 2, True, False), (7, 4, False, True), (13, 3, True, True)])
@@ -96,9 +112,11 @@ def test_shape_errors_name_the_tensors():
         swiglu_gemv(torch.zeros(2, 8), torch.zeros(3, 4, 9), torch.zeros(3, 4, 9), torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="swiglu_gemv: idx"):
         swiglu_gemv(torch.zeros(2, 8), torch.zeros(3, 4, 8), torch.zeros(3, 4, 8), torch.zeros(3, dtype=torch.long), 2)
-    with pytest.raises(ValueError, match="down_combine: add"):
+    with pytest.raises(ValueError, match="down_combine: shared"):
         down_combine(torch.zeros(4, 8), torch.zeros(3, 5, 8), torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2), 2,
-                     add=torch.zeros(2, 4), add_gate=torch.zeros(2))
+                     shared=(torch.zeros(2, 6), torch.zeros(4, 6), torch.zeros(2)))
+    with pytest.raises(ValueError, match="route_topk: shared_gate"):
+        route_topk(torch.zeros(2, 4), 2, True, torch.zeros(2, 8), torch.zeros(1, 6))
     with pytest.raises(ValueError, match="route_topk: top_k"):
         route_topk(torch.zeros(2, 4), 5, True)
 

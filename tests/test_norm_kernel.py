@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from wmtp.kernels.norm import add_rms_norm, rms_norm  # noqa: E402
+from wmtp.kernels.norm import add_rms_norm, norm_rope, rms_norm  # noqa: E402
 from wmtp.kernels.torch_gdn import gated_rms_norm  # noqa: E402
 from wmtp.models.backend import TorchBackend  # noqa: E402
 
@@ -44,6 +44,19 @@ def test_gated_rms_norm_matches_reference(dtype):
     assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
 
 
+def test_gated_rms_norm_reads_z_in_place():
+    """The GDN gate read as a [T, G, R, D] view inside a fused projection (strided, no copy)."""
+    g = torch.Generator().manual_seed(4)
+    T, G, R, D = 3, 2, 3, 32
+    fused = torch.randn(T, G, 5 * R * D, generator=g).to(DEVICE)  # other columns around z
+    z = fused[..., 2 * R * D : 3 * R * D].view(T, G, R, D)
+    x = torch.randn(T, G * R, D, generator=g).to(DEVICE)
+    w = (torch.randn(D, generator=g) * 0.3 + 1).to(DEVICE)
+    want = gated_rms_norm(x, z.reshape(T, G * R, D), w, 1e-6)
+    assert (rms_norm(x, w, 1e-6, gate=z) - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert (TorchBackend().gated_rms_norm(x, z, w, 1e-6) - want).abs().max().item() == 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("offset", [False, True])
 def test_add_rms_norm_matches_reference(offset, dtype):
@@ -55,6 +68,40 @@ def test_add_rms_norm_matches_reference(offset, dtype):
     assert torch.equal(got_s, want_s)  # the sum is rounded exactly as the reference's add
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (got_n.float() - want_n.float()).abs().max().item() <= tol * want_n.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim,rot,norm,offset", [(32, 8, True, True), (16, 16, True, False), (64, 16, False, False),
+                                                 (48, 12, True, True)])
+def test_norm_rope_matches_reference(dim, rot, norm, offset, dtype):
+    """q/k prologue: per-head norm + partial rotate_half RoPE, from a strided view (the gated q
+    half of a fused projection), against TorchBackend.norm_rope (rms_norm then apply_rotary)."""
+    from wmtp.models.rope import RotaryEmbedding, normalize_rope_config
+
+    g = torch.Generator().manual_seed(dim + rot)
+    T, H = 5, 3
+    fused = (torch.randn(T, H, 2 * dim, generator=g) * 2).to(DEVICE, dtype)
+    x = fused[..., :dim]  # strides (H * 2D, 2D, 1)
+    w = (torch.randn(dim, generator=g) * 0.3 + (0 if offset else 1)).to(DEVICE, dtype) if norm else None
+    rope = RotaryEmbedding(normalize_rope_config({"rope_theta": 10000.0, "partial_rotary_factor": rot / dim}), dim,
+                           4096).to(DEVICE)
+    cos, sin = rope(torch.tensor([0, 3, 17, 100, 4095], device=DEVICE))
+    want = TorchBackend().norm_rope(x, cos, sin, w, 1e-6, offset)
+    got = norm_rope(x, cos, sin, w, 1e-6, offset)
+    assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+
+
+def test_norm_rope_errors_name_the_tensors():
+    x = torch.zeros(2, 3, 8, device=DEVICE)
+    cos = torch.zeros(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="cos"):
+        norm_rope(x, cos[:, :3], cos[:, :3], None, 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        norm_rope(x, cos, cos, torch.ones(4, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="x"):
+        norm_rope(x[0], cos, cos, None, 1e-6)
 
 
 def test_shape_errors_name_the_tensors():

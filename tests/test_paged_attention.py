@@ -15,7 +15,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from wmtp.engine.window import DraftWindow  # noqa: E402
-from wmtp.kernels.paged_attention import AttentionMeta, paged_attention  # noqa: E402
+from wmtp.kernels.paged_attention import AttentionMeta, paged_attention, store_kv  # noqa: E402
 from wmtp.models.backend import TorchBackend  # noqa: E402
 from wmtp.models.context import ForwardContext, PagedSlots, RingSlots  # noqa: E402
 
@@ -86,6 +86,14 @@ def test_launch_overrides_keep_the_result(block_n, num_warps, num_stages):
     _compare(case, 3, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
+@pytest.mark.parametrize("page,block_n,splits", [(32, 16, 1), (32, 32, 3), (64, 16, None)])
+def test_contiguous_tiles_inside_pages(page, block_n, splits):
+    """Unwindowed paged attention with pages a multiple of BLOCK_N takes the contiguous-tile path
+    (unmasked whole tiles, masked tail): keys spanning many scattered pages, q_len 1..7, splits."""
+    case = _case(4, 8, 2, 32, q_lens=[7, 1, 4], starts=[150, 97, 5], windows=[None] * 3, ring=False, page=page)
+    _compare(case, splits, block_n=block_n)
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_windowed_draft_over_ring(splits):
     """Draft steps and extend: the window rule and the ring slot map, per request."""
@@ -118,6 +126,24 @@ def test_random_cases():
         wins = [win] * B if ring else [win if rng.random() < 0.5 else None for _ in range(B)]
         case = _case(seed, 4, 2, 16, lens, starts, wins, ring, page=rng.choice([1, 4, 16]), d=max(lens))
         _compare(case, splits=rng.choice([None, 1, 2, 5]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_index_put(dtype):
+    """One launch writes K and V rows (k a strided row view, v contiguous) at scattered slots,
+    casting fp32 activations to the cache dtype; other slots stay untouched."""
+    g = torch.Generator().manual_seed(5)
+    T, kv, D = 6, 2, 16
+    k = torch.randn(T, kv, 2 * D, generator=g)[..., :D].to(DEVICE)
+    v = torch.randn(T, kv, D, generator=g).to(DEVICE)
+    slots = torch.tensor([9, 0, 31, 4, 17, 22], device=DEVICE)
+    caches = [torch.randn(40, kv, D, generator=g).to(DEVICE, dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    TorchBackend().store_kv(k, v, *want, slots)
+    store_kv(k, v, *caches, slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    with pytest.raises(ValueError, match="slots"):
+        store_kv(k, v, *caches, slots[:3])
 
 
 def test_meta_rejects_two_windows():

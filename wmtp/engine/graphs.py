@@ -133,7 +133,7 @@ class DecodeGraphs:
         ctx.backend_cache["attention_meta"] = AttentionMeta(
             lens[0], lens[1], lens[2], self.stage_a.view("windowed") if windows else torch.zeros_like(lens[1]),
             table, 1 if (self.ring and not target) else eng.eng.page_size, self.ring and not target, sink, win,
-            (win + spec.num_draft_tokens) if self.ring and not target else 1, q_len, keys)
+            (win + spec.num_draft_tokens) if self.ring and not target else 1, q_len, keys, may_window=windows is not None)
         return ctx
 
     def _build_contexts(self) -> None:

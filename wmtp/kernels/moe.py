@@ -6,11 +6,12 @@ the cost is reading the chosen experts' weights; what PyTorch adds around it (so
 renormalise, repeat the tokens per pair, silu·mul, weight, sum, the shared expert's gate) is a
 dozen tiny kernels per layer, which dominate a CUDA-graph replay at B = 1. Here:
 
-- ``route_topk``: softmax over the router logits, top-k by repeated arg-max, renormalise (fp32).
+- ``route_topk``: softmax over the router logits, top-k by repeated arg-max, renormalise (fp32);
+  and the shared expert's gate logit (a [H] dot per token).
 - ``swiglu_gemv``: ``silu(W_gate[e] x) * (W_up[e] x)`` per pair, the token row read as
   ``p // top_k`` (no repeated copy of x). Also serves the shared expert (one fixed expert).
 - ``down_combine``: ``sum_k w[t,k] * W_down[e_k] h[t,k]`` per token, plus the shared expert's
-  ``sigmoid(logit[t]) * shared[t]``, written once in the output dtype.
+  down projection times ``sigmoid(logit[t])``, written once in the output dtype.
 
 The reference (``TorchBackend.moe``) loops over the distinct experts with ``torch.unique`` (a host
 sync per layer); ``tests/test_moe_kernel.py`` compares every kernel and the whole path with it.
@@ -19,6 +20,8 @@ weighted sum.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +41,16 @@ MAX_GEMV_PAIRS = 256
 if triton is not None:
 
     @triton.jit
-    def _route_topk_kernel(LOGITS, W_OUT, I_OUT, E, TOP_K: tl.constexpr, K_P: tl.constexpr, NORM: tl.constexpr,
-                           BLOCK_E: tl.constexpr):
+    def _route_topk_kernel(LOGITS, W_OUT, I_OUT, X, SG, SG_OUT, E, HID, TOP_K: tl.constexpr, K_P: tl.constexpr,
+                           NORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
+        if SHARED:  # the shared expert's gate logit x[t] . w, rounded to x's dtype as F.linear's is
+            z = tl.zeros([BLOCK_H], tl.float32)
+            for h0 in range(0, HID, BLOCK_H):
+                hs = h0 + tl.arange(0, BLOCK_H)
+                z += tl.load(X + t * HID + hs, mask=hs < HID, other=0.0).to(tl.float32) * \
+                    tl.load(SG + hs, mask=hs < HID, other=0.0).to(tl.float32)
+            tl.store(SG_OUT + t, tl.sum(z, 0).to(X.dtype.element_ty).to(tl.float32))
         es = tl.arange(0, BLOCK_E)
         z = tl.load(LOGITS + t * E + es, mask=es < E, other=float("-inf")).to(tl.float32)
         p = tl.exp(z - tl.max(z, 0))
@@ -86,8 +96,19 @@ if triton is not None:
         tl.store(OUT + p * N + rows, h.to(dt), mask=row_ok)
 
     @triton.jit
-    def _down_combine_kernel(H, W, IDX, TW, ADD, ADD_GATE, OUT, N, K, stride_we, stride_wn, TOP_K: tl.constexpr,
-                             HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_rows(W, stride_wn, V, rows, row_ok, K, BLOCK_K: tl.constexpr):
+        """fp32 ``W[rows] @ V`` over K (W rows unit-strided; V a [K] vector)."""
+        acc = tl.zeros(rows.shape, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            w = tl.load(W + rows[:, None] * stride_wn + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * tl.load(V + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :], 1)
+        return acc
+
+    @triton.jit
+    def _down_combine_kernel(H, W, IDX, TW, HS, WS, SL, OUT, N, K, KS, stride_we, stride_wn, stride_ws,
+                             TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         t = tl.program_id(0)
         nb = tl.program_id(1)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,33 +118,45 @@ if triton is not None:
         for i in tl.static_range(TOP_K):
             p = t * TOP_K + i
             e = tl.load(IDX + p).to(tl.int64)
-            acc = tl.zeros([BLOCK_N], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < K
-                w = tl.load(W + e * stride_we + rows[:, None] * stride_wn + ks[None, :],
-                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                hv = tl.load(H + p * K + ks, mask=k_ok, other=0.0)
-                acc += tl.sum(w.to(tl.float32) * hv[None, :].to(tl.float32), 1)
+            acc = _gemv_rows(W + e * stride_we, stride_wn, H + p * K, rows, row_ok, K, BLOCK_K)
             out += acc.to(dt).to(tl.float32) * tl.load(TW + p)
-        if HAS_ADD:
-            z = tl.load(ADD_GATE + t).to(tl.float32)
-            out += tl.load(ADD + t * N + rows, mask=row_ok, other=0.0).to(tl.float32) / (1.0 + tl.exp(-z))
+        if SHARED:  # + sigmoid(logit[t]) * (W_shared_down @ h_shared[t]), the projection rounded as F.linear's
+            acc = _gemv_rows(WS, stride_ws, HS + t * KS, rows, row_ok, KS, BLOCK_K)
+            out += acc.to(dt).to(tl.float32) / (1.0 + tl.exp(-tl.load(SL + t)))
         tl.store(OUT + t * N + rows, out.to(dt), mask=row_ok)
 
 
-def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over router ``logits`` [T, E], the top-k (fp32 weights, renormalised if asked, and
-    int32 expert ids, both [T, k], largest first)."""
+class Routing(NamedTuple):
+    """``route_topk``'s result: top-k weights (fp32) and expert ids (int32), both [T, k], largest
+    first; and the shared expert's gate logits [T] (fp32) when its gate weight was given."""
+
+    weights: torch.Tensor
+    experts: torch.Tensor
+    shared_logit: torch.Tensor | None
+
+
+def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, x: torch.Tensor | None = None,
+               shared_gate: torch.Tensor | None = None) -> Routing:
+    """Softmax over router ``logits`` [T, E] and its top-k (renormalised if asked); with ``x`` [T, H]
+    and ``shared_gate`` [1, H] also the shared expert's gate logit ``x @ shared_gate.T``."""
     T, E = logits.shape
     if not 0 < top_k <= E:
         raise ValueError(f"route_topk: top_k={top_k} must be in [1, {E}] (experts)")
+    shared = shared_gate is not None
+    if shared and (x is None or x.shape[0] != T or shared_gate.shape != (1, x.shape[1])):
+        raise ValueError(f"route_topk: shared_gate {tuple(shared_gate.shape)} must be [1, H] for x "
+                         f"{None if x is None else tuple(x.shape)} of {T} tokens")
     w = torch.empty(T, top_k, device=logits.device, dtype=torch.float32)
     i = torch.empty(T, top_k, device=logits.device, dtype=torch.int32)
+    sl = torch.empty(T, device=logits.device, dtype=torch.float32) if shared else None
     if T:
-        _route_topk_kernel[(T,)](logits.contiguous(), w, i, E, TOP_K=top_k, K_P=triton.next_power_of_2(top_k),
-                                 NORM=norm_topk_prob, BLOCK_E=triton.next_power_of_2(E))
-    return w, i
+        xs = x.contiguous() if shared else w
+        hid = x.shape[1] if shared else 1
+        _route_topk_kernel[(T,)](logits.contiguous(), w, i, xs, shared_gate if shared else w, w if sl is None else sl,
+                                 E, hid, TOP_K=top_k, K_P=triton.next_power_of_2(top_k), NORM=norm_topk_prob,
+                                 SHARED=shared, BLOCK_E=triton.next_power_of_2(E),
+                                 BLOCK_H=min(1024, triton.next_power_of_2(hid)))
+    return Routing(w, i, sl)
 
 
 def _check_experts(name: str, x: torch.Tensor, w: torch.Tensor, k_dim: int) -> None:
@@ -158,10 +191,11 @@ def swiglu_gemv(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, idx: 
 
 
 def down_combine(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, top_w: torch.Tensor, top_k: int,
-                 add: torch.Tensor | None = None, add_gate: torch.Tensor | None = None, **launch) -> torch.Tensor:
-    """``out[t] = sum_k top_w[t,k] * down[idx[t,k]] @ h[t*top_k + k]`` (+ ``sigmoid(add_gate[t]) *
-    add[t]``). h [T * top_k, K]; down [E, N, K]; idx, top_w [T, top_k]; add [T, N]; add_gate [T]
-    or [T, 1]. Returns [T, N] in h's dtype. ``launch`` as for ``swiglu_gemv``."""
+                 shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, **launch) -> torch.Tensor:
+    """``out[t] = sum_k top_w[t,k] * down[idx[t,k]] @ h[t*top_k + k]``, plus, with ``shared`` =
+    (h_s [T, Ks], down_s [N, Ks], logit [T]), ``sigmoid(logit[t]) * down_s @ h_s[t]`` (the shared
+    expert's down projection and gate, no separate GEMM). h [T * top_k, K]; down [E, N, K]; idx,
+    top_w [T, top_k]. Returns [T, N] in h's dtype. ``launch`` as for ``swiglu_gemv``."""
     P, K = h.shape
     T = P // top_k
     _check_experts("down_combine", h, down, K)
@@ -169,15 +203,18 @@ def down_combine(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, top_w: 
         raise ValueError(f"down_combine: h {tuple(h.shape)}, idx {tuple(idx.shape)}, top_w {tuple(top_w.shape)} "
                          f"disagree for top_k={top_k}")
     N = down.shape[1]
-    if add is not None and (add.shape != (T, N) or add_gate is None or add_gate.numel() != T):
-        raise ValueError(f"down_combine: add {tuple(add.shape)} must be [{T}, {N}] with an add_gate of {T} logits")
+    if shared is not None:
+        hs, ws, sl = shared
+        if hs.shape[0] != T or ws.shape != (N, hs.shape[1]) or ws.stride(1) != 1 or sl.numel() != T:
+            raise ValueError(f"down_combine: shared h {tuple(hs.shape)}, down {tuple(ws.shape)}, logit {tuple(sl.shape)} "
+                             f"must be [{T}, Ks], [{N}, Ks] (unit stride on Ks) and [{T}]")
     out = torch.empty(T, N, device=h.device, dtype=h.dtype)
     if T:
         cfg = {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, **launch}  # tuned as swiglu_gemv's
+        hs, ws, sl = (out, out, out) if shared is None else (shared[0].contiguous(), shared[1], shared[2].float().contiguous())
         _down_combine_kernel[(T, triton.cdiv(N, cfg["BLOCK_N"]))](
-            h.contiguous(), down, idx.contiguous(), top_w.float().contiguous(),
-            out if add is None else add.contiguous(), out if add_gate is None else add_gate.contiguous(), out,
-            N, K, down.stride(0), down.stride(1), TOP_K=top_k, HAS_ADD=add is not None, **cfg)
+            h.contiguous(), down, idx.contiguous(), top_w.float().contiguous(), hs, ws, sl, out,
+            N, K, hs.shape[-1], down.stride(0), down.stride(1), ws.stride(0), TOP_K=top_k, SHARED=shared is not None, **cfg)
     return out
 
 
@@ -199,15 +236,15 @@ def shared_expert_reference(x: torch.Tensor, shared: SharedExpert) -> torch.Tens
 
 def moe_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared: SharedExpert | None = None) -> torch.Tensor:
     """Same contract as ``Backend.moe`` (softmax router, top-k SwiGLU experts, optional shared
-    expert) at decode sizes: five launches besides the router / shared GEMMs."""
-    top_w, top_i = route_topk(F.linear(x, router_weight), top_k, norm_topk_prob)
+    expert) at decode sizes: the router GEMM and four launches (route + shared gate, routed and
+    shared SwiGLU, down projections + combine)."""
+    r = route_topk(F.linear(x, router_weight), top_k, norm_topk_prob, x, None if shared is None else shared.gate)
     inter = down.shape[-1]
-    h = swiglu_gemv(x, gate_up[:, :inter], gate_up[:, inter:], top_i.view(-1), top_k)
+    h = swiglu_gemv(x, gate_up[:, :inter], gate_up[:, inter:], r.experts.view(-1), top_k)
     if shared is None:
-        return down_combine(h, down, top_i, top_w, top_k)
+        return down_combine(h, down, r.experts, r.weights, top_k)
     hs = swiglu_gemv(x, shared.gate_proj[None], shared.up_proj[None], None)
-    return down_combine(h, down, top_i, top_w, top_k, add=F.linear(hs, shared.down_proj),
-                        add_gate=F.linear(x, shared.gate))
+    return down_combine(h, down, r.experts, r.weights, top_k, shared=(hs, shared.down_proj, r.shared_logit))
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:

@@ -1,10 +1,12 @@
 """Triton RMSNorm: plain (``w * norm(x)``), Qwen3-Next offset (``norm(x) * (1 + w)``) and the GDN
-gated form (``w * norm(x) * silu(z)``), one program per row, fp32 statistics.
+gated form (``w * norm(x) * silu(z)``), one program per row, fp32 statistics; and the attention
+heads' prologue ``norm_rope``: the per-head q / k RMSNorm and the partial rotary embedding in one
+launch (in PyTorch that is ~14 elementwise kernels per tensor: casts, slices, multiplies, a cat).
 
 At decode sizes each norm is a handful of tiny elementwise kernels in PyTorch (cast, square,
 mean, rsqrt, multiplies); one launch instead matters once the step is replayed from a CUDA graph.
-The twins are ``TorchBackend.rms_norm`` and ``torch_gdn.gated_rms_norm`` (same cast points, so
-bf16 results round the same way); ``tests/test_norm_kernel.py`` compares them.
+The twins are ``TorchBackend.rms_norm`` / ``norm_rope`` and ``torch_gdn.gated_rms_norm`` (same cast
+points, so bf16 results round the same way); ``tests/test_norm_kernel.py`` compares them.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ except ImportError:  # pragma: no cover
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(X, W, Z, RES, SUM_OUT, OUT, D, eps, OFFSET: tl.constexpr, GATED: tl.constexpr,
-                         RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _rms_norm_kernel(X, W, Z, RES, SUM_OUT, OUT, D, eps, z_n1, z_n2, z_s0, z_s1, z_s2, OFFSET: tl.constexpr,
+                         GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
         ok = cols < D
@@ -37,24 +39,77 @@ if triton is not None:
         else:  # the reference casts the norm to the input dtype before the weight multiply
             y = (h.to(OUT.dtype.element_ty).to(tl.float32) * w).to(W.dtype.element_ty).to(tl.float32)
         if GATED:
-            z = tl.load(Z + row * D + cols, mask=ok, other=0.0).to(tl.float32)
+            # gate row = (i0, i1, i2) of a [n0, n1, n2, D] strided view (e.g. z inside the fused projection)
+            z_row = Z + (row // (z_n1 * z_n2)) * z_s0 + (row // z_n2 % z_n1) * z_s1 + (row % z_n2) * z_s2
+            z = tl.load(z_row + cols, mask=ok, other=0.0).to(tl.float32)
             y = y * (z / (1.0 + tl.exp(-z)))
         tl.store(OUT + row * D + cols, y.to(OUT.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _normed(X, W, idx, ok, rstd, NORM: tl.constexpr, OFFSET: tl.constexpr):
+        """Channels ``idx`` of one head, RMS-normed with ``rstd`` (when NORM), rounded to X's dtype
+        as the reference's norm output is; returned in fp32."""
+        x = tl.load(X + idx, mask=ok, other=0.0)
+        if not NORM:
+            return x.to(tl.float32)
+        h = x.to(tl.float32) * rstd
+        w = tl.load(W + idx, mask=ok, other=0.0).to(tl.float32)
+        if OFFSET:
+            y = h * (1.0 + w)
+        else:
+            y = (h.to(X.dtype.element_ty).to(tl.float32) * w).to(W.dtype.element_ty)
+        return y.to(X.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _norm_rope_kernel(X, W, COS, SIN, OUT, stride_xt, stride_xh, stride_ct, H, D, HALF, eps,
+                          NORM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+        pid = tl.program_id(0)
+        t = (pid // H).to(tl.int64)
+        x_row = X + t * stride_xt + (pid % H) * stride_xh
+        out_row = OUT + pid.to(tl.int64) * D
+        rstd = 0.0
+        if NORM:
+            cols = tl.arange(0, BLOCK_D)
+            x = tl.load(x_row + cols, mask=cols < D, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+        # rotate_half over the first 2*HALF channels: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
+        i = tl.arange(0, BLOCK_R)
+        ok = i < HALF
+        x1 = _normed(x_row, W, i, ok, rstd, NORM, OFFSET)
+        x2 = _normed(x_row, W, i + HALF, ok, rstd, NORM, OFFSET)
+        c = tl.load(COS + t * stride_ct + i, mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(SIN + t * stride_ct + i, mask=ok, other=0.0).to(tl.float32)
+        dt = OUT.dtype.element_ty
+        tl.store(out_row + i, (x1 * c - x2 * s).to(dt), mask=ok)
+        tl.store(out_row + i + HALF, (x2 * c + x1 * s).to(dt), mask=ok)
+        for r0 in range(2 * HALF, D, BLOCK_R):  # channels past the rotary part pass through (normed)
+            j = r0 + tl.arange(0, BLOCK_R)
+            tl.store(out_row + j, _normed(x_row, W, j, j < D, rstd, NORM, OFFSET).to(dt), mask=j < D)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
              gate: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm over the last dim of ``x`` [..., D] (``gate``: same shape, the gated GDN form)."""
+    """RMSNorm over the last dim of ``x`` [..., D]. ``gate`` (the gated GDN form): x's shape, or
+    for x [T, G * R, D] a [T, G, R, D] view with any strides (z read in place from the fused
+    projection, no copy)."""
     D = x.shape[-1]
-    if weight.shape != (D,) or (gate is not None and gate.shape != x.shape):
+    gate_ok = gate is None or gate.shape == x.shape or (
+        gate.dim() == 4 and x.dim() == 3 and gate.shape[0] == x.shape[0] and gate.shape[1] * gate.shape[2] == x.shape[1]
+        and gate.shape[3] == D)
+    if weight.shape != (D,) or not gate_ok or (gate is not None and gate.stride(-1) != 1):
         raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"gate {None if gate is None else tuple(gate.shape)} disagree")
     x2 = x.reshape(-1, D).contiguous()
     out = torch.empty_like(x2)
-    z = x2 if gate is None else gate.reshape(-1, D).contiguous()
+    if gate is None:
+        z, zn, zs = x2, (1, 1), (D, 0, 0)
+    else:
+        z = gate if gate.dim() == 4 else gate.reshape(-1, D)
+        z = z if z.dim() == 4 else z.view(-1, 1, 1, D) if z.is_contiguous() else z.contiguous().view(-1, 1, 1, D)
+        zn, zs = z.shape[1:3], z.stride()[:3]
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, z, x2, x2, out, D, eps, OFFSET=offset, GATED=gate is not None,
-                                         RESIDUAL=False, BLOCK_D=triton.next_power_of_2(D))
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight, z, x2, x2, out, D, eps, *zn, *zs, OFFSET=offset,
+                                         GATED=gate is not None, RESIDUAL=False, BLOCK_D=triton.next_power_of_2(D))
     return out.view(x.shape)
 
 
@@ -68,6 +123,29 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     x2, r2 = x.reshape(-1, D).contiguous(), residual.reshape(-1, D).contiguous()
     out, summed = torch.empty_like(x2), torch.empty_like(x2)
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, x2, r2, summed, out, D, eps, OFFSET=offset, GATED=False,
-                                         RESIDUAL=True, BLOCK_D=triton.next_power_of_2(D))
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight, x2, r2, summed, out, D, eps, 1, 1, D, 0, 0, OFFSET=offset,
+                                         GATED=False, RESIDUAL=True, BLOCK_D=triton.next_power_of_2(D))
     return out.view(x.shape), summed.view(x.shape)
+
+
+def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float,
+              offset: bool = False) -> torch.Tensor:
+    """Per-head RMSNorm (when ``weight`` [D] is given) then rotate_half RoPE of the first
+    ``rot_dim = cos.shape[-1]`` channels. x [T, heads, D] (any strides with a unit last one, e.g.
+    a view into a fused projection); cos, sin [T, rot_dim]. Returns a new contiguous [T, heads, D]."""
+    if x.dim() != 3 or x.stride(-1) != 1:
+        raise ValueError(f"norm_rope: x {tuple(x.shape)} must be [T, heads, D] with unit stride on D")
+    T, H, D = x.shape
+    rot = cos.shape[-1]
+    if cos.shape != (T, rot) or sin.shape != cos.shape or rot % 2 or not 0 < rot <= D or cos.stride() != sin.stride():
+        raise ValueError(f"norm_rope: cos {tuple(cos.shape)} / sin {tuple(sin.shape)} must be [{T}, rot_dim] "
+                         f"(same strides) with an even rot_dim <= head_dim {D}")
+    if weight is not None and weight.shape != (D,):
+        raise ValueError(f"norm_rope: weight {tuple(weight.shape)} must be [{D}]")
+    out = torch.empty(T, H, D, device=x.device, dtype=x.dtype)
+    if T:
+        cos, sin = (c if c.stride(-1) == 1 else c.contiguous() for c in (cos, sin))
+        _norm_rope_kernel[(T * H,)](x, x if weight is None else weight, cos, sin, out, x.stride(0), x.stride(1),
+                                    cos.stride(0), H, D, rot // 2, eps, NORM=weight is not None, OFFSET=offset,
+                                    BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(rot // 2))
+    return out

@@ -15,6 +15,10 @@ Design (flash-decoding):
   per-iteration O(S) index list exists anywhere.
 - The virtual range is cut into splits so one request over 1M keys fills the GPU; a second kernel
   merges the splits' (max, sum, unnormalised output) exactly.
+- Without a window over paged KV (target decode / verify, native draft) a ``BLOCK_N`` tile of keys
+  lies inside one page: its address is one scalar (the page) plus a loop-invariant offset tile, and
+  the tiles every query sees whole skip the masks. Only the tail tiles (the causal edge, the
+  split's end) take the general masked path.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class AttentionMeta:
     max_q_len: int
     max_keys: int  # upper bound of any program's virtual key count (host-side, no sync)
     num_splits: int | None = None  # fixed split count (CUDA graphs); None = chosen per call from max_keys
+    may_window: bool = True  # False: no request of this forward applies the window (enables the contiguous path)
 
     @classmethod
     def from_context(cls, ctx: ForwardContext, device: torch.device) -> "AttentionMeta":
@@ -72,10 +77,35 @@ class AttentionMeta:
         q_start, q_len, tok_off = ctx.device_lens
         windowed = torch.tensor([w is not None for w in wins], dtype=torch.int32).to(device, non_blocking=True)
         return cls(q_start, q_len, tok_off, windowed, table.to(device=device, dtype=torch.int32), page, ring,
-                   sink, window, mod, max(ctx.q_lens), max(keys))
+                   sink, window, mod, max(ctx.q_lens), max(keys), may_window=bool(active))
 
 
 if triton is not None:
+
+    @triton.jit
+    def _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e, MASKED: tl.constexpr, IEEE: tl.constexpr):
+        """One online-softmax update with a [BLOCK_N, D] tile of keys and values. Unmasked tiles
+        (every query sees every key) skip the mask and the all-masked-row guard."""
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2e
+        if MASKED:
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_safe = m_new
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc * alpha[:, None] + pv
 
     @triton.jit
     def _attn_split_kernel(
@@ -85,7 +115,7 @@ if triton is not None:
         stride_ps, stride_pt, stride_ph,
         num_q_blocks, num_splits, scale_log2e, page_size, sink, window, ring_mod,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-        RING: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+        RING: tl.constexpr, CONTIG: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
     ):
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -127,7 +157,18 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for j0 in range(lo, hi, BLOCK_N):
+        full_end = lo
+        if CONTIG:
+            # whole tiles at or before the first query: position = j, one page per tile, no masks
+            full_end = lo + tl.maximum(tl.minimum(hi, q_first + 1) - lo, 0) // BLOCK_N * BLOCK_N
+            tile = tl.arange(0, BLOCK_N)[:, None] * stride_kt + dims[None, :]
+            for j0 in range(lo, full_end, BLOCK_N):
+                page = tl.load(table_ptr + b * table_stride + j0 // page_size).to(tl.int64)
+                base = (page * page_size + j0 % page_size) * stride_kt + kvh * stride_kh
+                k = tl.load(K + base + tile)
+                v = tl.load(V + base + tile)
+                m_i, l_i, acc = _softmax_step(q, k, v, True, m_i, l_i, acc, scale_log2e, MASKED=False, IEEE=IEEE)
+        for j0 in range(full_end, hi, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
             k_ok = j < hi
             pos = tl.where(j < sink_end, j, recent + j - sink_end)
@@ -139,25 +180,9 @@ if triton is not None:
             slot = slot.to(tl.int64)
             k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(V + slot[:, None] * stride_kt + kvh * stride_kh + dims[None, :], mask=k_ok[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale_log2e
             visible = (pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
             visible &= (~windowed) | (pos[None, :] < sink) | (pos[None, :] > q_pos[:, None] - window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e, MASKED=True, IEEE=IEEE)
 
         tok = tok_off + qi
         if SPLIT:
@@ -201,6 +226,42 @@ if triton is not None:
         tl.store(Out + tok * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty))
 
 
+if triton is not None:
+
+    @triton.jit
+    def _store_kv_kernel(K, V, KC, VC, SLOTS, stride_kt, stride_vt, stride_ct, N, BLOCK: tl.constexpr):
+        """Program (token, k or v): one token's [kv_heads * D] row into its cache slot."""
+        t = tl.program_id(0)
+        which = tl.program_id(1)
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        for c0 in range(0, N, BLOCK):
+            c = c0 + cols
+            if which == 0:
+                tl.store(KC + slot * stride_ct + c, tl.load(K + t * stride_kt + c, mask=c < N), mask=c < N)
+            else:
+                tl.store(VC + slot * stride_ct + c, tl.load(V + t * stride_vt + c, mask=c < N), mask=c < N)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """``k_cache[slots] = k; v_cache[slots] = v`` in one launch. k, v [T, kv_heads, D] (rows may be
+    strided, each row contiguous); caches [slots, kv_heads, D] of one dtype and layout."""
+    T = k.shape[0]
+    if (v.shape != k.shape or k_cache.shape[1:] != k.shape[1:] or v_cache.shape != k_cache.shape
+            or v_cache.stride() != k_cache.stride() or slots.shape != (T,)):
+        raise ValueError(f"store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, caches {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)}, slots {tuple(slots.shape)} disagree")
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:  # a cast (e.g. fp32 activations, bf16 cache)
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k, v = (x if x[0].is_contiguous() else x.contiguous() for x in (k, v))
+    if not k_cache[0].is_contiguous():
+        raise ValueError(f"store_kv: cache rows must be contiguous (strides {k_cache.stride()})")
+    N = k.shape[1] * k.shape[2]
+    if T:
+        _store_kv_kernel[(T, 2)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), k_cache.stride(0), N,
+                                 BLOCK=min(1024, triton.next_power_of_2(N)))
+
+
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
@@ -219,7 +280,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over the cached keys (already written). Returns [T, H, D].
 
-    ``num_splits`` (default: enough programs for ~4 waves of the GPU) cuts each request's keys;
+    ``num_splits`` (default: about two programs per SM) cuts each request's keys;
     ``block_n`` / ``num_warps`` / ``num_stages`` / ``max_rows`` (query rows x GQA group per tile)
     override the launch configuration (tuning runs, ``benchmarks/tune_attention.py``).
     """
@@ -246,10 +307,13 @@ def paged_attention(
     max_splits = max(1, math.ceil(meta.max_keys / block_n))
     num_splits = num_splits or meta.num_splits
     if num_splits is None:
-        num_splits = min(max_splits, max(1, math.ceil(4 * _num_sms(q.device) / programs)))
+        # two programs per SM: at 1.04M keys 132 splits beat 264 (0.49 vs 0.50 ms decode, 0.55 vs
+        # 0.58 ms verify of 8 queries; tuning/tune_attention_contig.json) — half the partials to merge
+        num_splits = min(max_splits, max(1, math.ceil(2 * _num_sms(q.device) / programs)))
     num_splits = max(1, min(num_splits, max_splits))
     out = torch.empty_like(q)
     split = num_splits > 1
+    contig = not meta.ring and not meta.may_window and meta.page_size % block_n == 0
     if split:
         o_part = torch.empty(num_splits, T, H, D, device=q.device, dtype=torch.float32)
         m_part = torch.empty(num_splits, T, H, device=q.device, dtype=torch.float32)
@@ -263,7 +327,7 @@ def paged_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         T * H * D, H * D, D,
         num_q_blocks, num_splits, scale * 1.4426950408889634, meta.page_size, meta.sink, meta.window, meta.ring_mod,
-        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, RING=meta.ring, SPLIT=split,
+        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, RING=meta.ring, CONTIG=contig, SPLIT=split,
         IEEE=q.dtype == torch.float32,
         num_warps=num_warps or 4,
         **({} if num_stages is None else {"num_stages": num_stages}),

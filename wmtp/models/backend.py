@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from wmtp.engine.window import causal_key_positions
 from wmtp.kernels.common import SharedExpert, acc_dtype
 from wmtp.models.context import ForwardContext
+from wmtp.models.rope import apply_rotary
 
 
 class Backend(ABC):
@@ -32,9 +33,18 @@ class Backend(ABC):
         s = x + residual
         return self.rms_norm(s, weight, eps, offset), s
 
+    def norm_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None,
+                  eps: float, offset: bool) -> torch.Tensor:
+        """Attention heads' prologue: per-head ``rms_norm`` (when ``weight`` is given, q/k norm) then
+        rotate_half RoPE of the first ``cos.shape[-1]`` channels. x [T, heads, D]; cos, sin [T, rot]."""
+        if weight is not None:
+            x = self.rms_norm(x, weight, eps, offset)
+        return apply_rotary(x, cos, sin)
+
     @abstractmethod
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """GDN's output norm: ``weight * rmsnorm(x) * silu(gate)`` over the last dim."""
+        """GDN's output norm: ``weight * rmsnorm(x) * silu(gate)`` over the last dim. x [T, HV, D];
+        gate [T, HV, D] or a [T, G, R, D] view with G·R = HV (z in place in the fused projection)."""
 
     @abstractmethod
     def attention(
@@ -52,6 +62,12 @@ class Backend(ABC):
         q: [T, heads, D]. Request b's queries see keys ``0..q`` (or its draft window) read from
         the caches through ``ctx.kv_slots``. Returns [T, heads, D].
         """
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+        """Write k, v [T, kv_heads, D] into the caches [slots, kv_heads, D] at ``slots`` [T]."""
+        k_cache[slots] = k.to(k_cache.dtype)
+        v_cache[slots] = v.to(v_cache.dtype)
 
     @abstractmethod
     def gated_delta_net(
@@ -142,7 +158,7 @@ class TorchBackend(Backend):
     def gated_rms_norm(self, x, gate, weight, eps):
         from wmtp.kernels.torch_gdn import gated_rms_norm
 
-        return gated_rms_norm(x, gate, weight, eps)
+        return gated_rms_norm(x, gate.reshape(x.shape), weight, eps)
 
     def gdn_gates(self, a, b, A_log, dt_bias):
         from wmtp.kernels.torch_gdn import gdn_gates
@@ -150,7 +166,7 @@ class TorchBackend(Backend):
         return gdn_gates(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1), A_log, dt_bias)
 
     def attention(self, q, k, v, k_cache, v_cache, ctx, scale):
-        _write_kv(k, v, k_cache, v_cache, ctx)
+        self.store_kv(k, v, k_cache, v_cache, ctx.write_slots)
         out = torch.empty_like(q)
         n_kv = k_cache.shape[1]
         for b, (start, n) in enumerate(zip(ctx.q_starts, ctx.q_lens)):
@@ -226,13 +242,6 @@ class TorchBackend(Backend):
         return out if shared is None else out + shared_expert_reference(x, shared)
 
 
-def _write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext) -> None:
-    """Store this forward's K/V [T, kv_heads, D] at ``ctx.write_slots`` (every backend does this first)."""
-    write = ctx.write_slots
-    k_cache[write] = k.to(k_cache.dtype)
-    v_cache[write] = v.to(v_cache.dtype)
-
-
 def _gdn_heads(conv_out: torch.Tensor, dims: tuple[int, int, int, int, int]) -> tuple[torch.Tensor, ...]:
     """Split the conv output [n, conv_dim] into q, k [n, HV, Dk] (k-heads repeated to the v-heads)
     and v [n, HV, Dv]."""
@@ -268,11 +277,18 @@ class TritonBackend(TorchBackend):
             return super().attention(q, k, v, k_cache, v_cache, ctx, scale)
         from wmtp.kernels.paged_attention import AttentionMeta, paged_attention
 
-        _write_kv(k, v, k_cache, v_cache, ctx)
+        self.store_kv(k, v, k_cache, v_cache, ctx.write_slots)
         meta = ctx.backend_cache.get("attention_meta")
         if meta is None:  # built once per forward, shared by every attention layer
             meta = ctx.backend_cache["attention_meta"] = AttentionMeta.from_context(ctx, q.device)
         return paged_attention(q, k_cache, v_cache, meta, scale)
+
+    def store_kv(self, k, v, k_cache, v_cache, slots):
+        if k.dtype == torch.float64:
+            return super().store_kv(k, v, k_cache, v_cache, slots)
+        from wmtp.kernels.paged_attention import store_kv
+
+        store_kv(k, v, k_cache, v_cache, slots)
 
     def rms_norm(self, x, weight, eps, offset):
         if x.dtype == torch.float64:
@@ -287,6 +303,13 @@ class TritonBackend(TorchBackend):
         from wmtp.kernels.norm import add_rms_norm
 
         return add_rms_norm(x, residual, weight, eps, offset)
+
+    def norm_rope(self, x, cos, sin, weight, eps, offset):
+        if x.dtype == torch.float64:
+            return super().norm_rope(x, cos, sin, weight, eps, offset)
+        from wmtp.kernels.norm import norm_rope
+
+        return norm_rope(x, cos, sin, weight, eps, offset)
 
     def gated_rms_norm(self, x, gate, weight, eps):
         if x.dtype == torch.float64:

@@ -14,7 +14,6 @@ from wmtp.config import ModelConfig
 from wmtp.kernels.common import SharedExpert
 from wmtp.models.backend import Backend
 from wmtp.models.context import ForwardContext
-from wmtp.models.rope import apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -55,23 +54,25 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = make_norm(cfg, cfg.head_dim, backend)
             self.k_norm = make_norm(cfg, cfg.head_dim, backend)
-        self.qk_norm = cfg.qk_norm
+        self.qk_norm, self.eps, self.norm_offset = cfg.qk_norm, cfg.rms_norm_eps, cfg.norm_offset
         self.scale = cfg.head_dim**-0.5
+
+    def _norm_rope(self, x: torch.Tensor, norm: str, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Per-head q/k norm (when the model has one) and RoPE, one backend op."""
+        n = getattr(self, norm) if self.qk_norm else None
+        return self.backend.norm_rope(x, *cos_sin, None if n is None else n.weight, self.eps, self.norm_offset)
 
     def project_kv(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position K (normed, rotated) and V: all a cache slot holds."""
         t = x.shape[0]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            k = self.k_norm(k)
-        return apply_rotary(k, *cos_sin), v
+        return self._norm_rope(k, "k_norm", cos_sin), v
 
     def write_kv(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> None:
         """Fill cache slots without attending (draft-prefill sparsification, DESIGN §4)."""
         k, v = self.project_kv(x, cos_sin)
-        self.k_cache[ctx.write_slots] = k.to(self.k_cache.dtype)
-        self.v_cache[ctx.write_slots] = v.to(self.v_cache.dtype)
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.write_slots)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -79,10 +80,9 @@ class Attention(nn.Module):
         if self.gated:
             q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(t, -1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        if self.qk_norm:
-            q = self.q_norm(q)
-        q = apply_rotary(q, *cos_sin)
+        else:
+            q = q.view(t, self.num_heads, self.head_dim)
+        q = self._norm_rope(q, "q_norm", cos_sin)
         k, v = self.project_kv(x, cos_sin)
         o = self.backend.attention(q, k, v, self.k_cache, self.v_cache, ctx, self.scale).reshape(t, -1)
         if self.gated:
@@ -125,11 +125,11 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(value_dim, h, bias=False)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Returns mixed_qkv [T, conv_dim] in [q | k | v] order, z [T, HV, Dv], and b, a as [T, G, R]
-        views (v-head h at ``[:, h // R, h % R]``; G = HK for the fused layout, 1 for the split one)."""
+        """Returns mixed_qkv [T, conv_dim] in [q | k | v] order, and z [T, G, R, Dv], b, a [T, G, R]
+        as views (v-head h at ``[:, h // R, h % R]``; G = HK for the fused layout, 1 for the split one)."""
         t = x.shape[0]
         if not self.fused:
-            z = self.in_proj_z(x).view(t, self.hv, self.dv)
+            z = self.in_proj_z(x).view(t, 1, self.hv, self.dv)
             return self.in_proj_qkv(x), z, self.in_proj_b(x).view(t, 1, self.hv), self.in_proj_a(x).view(t, 1, self.hv)
         # Fused layout is grouped per key head: [q(Dk) k(Dk) v(r*Dv) z(r*Dv)] and [b(r) a(r)].
         r = self.hv // self.hk
@@ -137,7 +137,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
         b, a = self.in_proj_ba(x).view(t, self.hk, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
-        return mixed, z.reshape(t, self.hv, self.dv), b, a
+        return mixed, z.view(t, self.hk, r, self.dv), b, a
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         mixed, z, b, a = self._project(x)
@@ -207,11 +207,23 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(cfg, cfg.hidden_size, backend)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, backend)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output is ``h + residual`` of the returned pair: the add is left to the next
+        norm (``add_forward``, one launch with it), as is the input's when ``residual`` is given
+        (then the block's input is ``x + residual``). Use ``finish`` for the summed output."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
         if self.layer_type == "full_attention":
             h = self.self_attn(h, cos_sin, ctx)
         else:
             h = self.linear_attn(h, ctx)
-        h, x = self.post_attention_layernorm.add_forward(x, h)
-        return x + self.mlp(h)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
+
+
+def finish(norm: RMSNorm, out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``norm(h + residual)`` of a block's (h, residual) output."""
+    return norm.add_forward(*out)[0]

@@ -16,7 +16,7 @@ from wmtp.config import ModelConfig
 from wmtp.kernels.common import acc_dtype
 from wmtp.models.backend import Backend, get_backend
 from wmtp.models.context import ForwardContext, PagedSlots
-from wmtp.models.layers import DecoderLayer, make_norm
+from wmtp.models.layers import DecoderLayer, finish, make_norm
 from wmtp.models.rope import RotaryEmbedding
 
 
@@ -50,7 +50,7 @@ class QwenMTPHead(nn.Module):
         return self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
 
     def step(self, emb: torch.Tensor, hidden: torch.Tensor, cos_sin, ctx: ForwardContext, idx: int) -> torch.Tensor:
-        return self.norm(self.layers[idx](self.fuse(emb, hidden, idx), cos_sin, ctx))
+        return finish(self.norm, self.layers[idx](self.fuse(emb, hidden, idx), cos_sin, ctx))
 
 
 class DeepSeekMTPLayer(DecoderLayer):
@@ -78,7 +78,7 @@ class DeepSeekMTPHead(nn.Module):
 
     def step(self, emb: torch.Tensor, hidden: torch.Tensor, cos_sin, ctx: ForwardContext, idx: int) -> torch.Tensor:
         layer = self.layers[idx]
-        return layer.shared_head.norm(DecoderLayer.forward(layer, self.fuse(emb, hidden, idx), cos_sin, ctx))
+        return finish(layer.shared_head.norm, DecoderLayer.forward(layer, self.fuse(emb, hidden, idx), cos_sin, ctx))
 
 
 def mtp_style(cfg: ModelConfig) -> str:
@@ -106,9 +106,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary(ctx.positions)
+        h, residual = x, None
         for layer in self.model.layers:
-            x = layer(x, cos_sin, ctx)
-        return self.model.norm(x)
+            h, residual = layer(h, cos_sin, ctx, residual)
+        return finish(self.model.norm, (h, residual))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
