@@ -399,13 +399,14 @@ class Engine:
         return self.graphs[B]
 
     def _iteration_static(self, reqs: list[Request], graphs: DecodeGraphs) -> None:
-        """``_iteration`` for greedy batches, from static buffers: one host sync (drafts and target
-        argmax), acceptance on the host, then rollback + draft-extend on the device."""
+        """``_iteration`` for greedy batches, from static buffers: one upload, the four forwards
+        back to back (acceptance and the extend's inputs on the device), one host sync for the
+        results, then emission on the host."""
         t0 = time.perf_counter()
         if (pt := self.phase_timer) is not None:
             pt.start()
         lens = [len(r.tokens) for r in reqs]
-        graphs.prepare(reqs, lens)
+        graphs.prepare(reqs, lens, self.forced_accept)
         if self.spec.gamma:
             graphs.run("chain")
             if pt is not None:
@@ -413,29 +414,20 @@ class Engine:
         graphs.run("verify")
         if pt is not None:
             pt.mark("verify_base")
-        drafts, target = graphs.results()
-        accepted, emitted = [], []
-        for dr, tg in zip(drafts, target):
-            a = self.forced_accept if self.forced_accept is not None else accept_greedy(dr, tg)[0]
-            accepted.append(a)
-            emitted.append(dr[:a].tolist() + [int(tg[a])])
-        live = [self._emit(r, toks) for r, toks in zip(reqs, emitted)]
-        if not self.spec.gamma:
+        if self.spec.gamma:
+            graphs.run("accept")
             if pt is not None:
                 pt.mark("verify_ovh")
-            self._record_iteration(reqs, accepted, t0)
-            return
-        graphs.prepare_post(reqs, lens, accepted, emitted, live)
-        graphs.run("rollback")
-        if pt is not None:
-            pt.mark("verify_ovh")
-        graphs.run("extend")
-        d1 = graphs.next_d1.tolist()
-        for b, (r, ok) in enumerate(zip(reqs, live)):
-            if ok:
+            graphs.run("extend")
+            if pt is not None:
+                pt.mark("draft_ctx")
+        drafts, target, accepted, d1 = graphs.results()
+        for b, r in enumerate(reqs):
+            a = accepted[b]
+            if self._emit(r, drafts[b][:a] + [target[b][a]]) and self.spec.gamma:
                 r.draft_token, r.draft_q, r.draft_hidden = d1[b], None, graphs.next_hidden[b : b + 1]
         if pt is not None:
-            pt.mark("draft_ctx")
+            pt.mark("verify_ovh")  # emission and metrics (host, after the sync)
         self._record_iteration(reqs, accepted, t0)
 
     # ---- draft helpers -------------------------------------------------------------------------

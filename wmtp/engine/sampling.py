@@ -154,6 +154,16 @@ def accept_greedy(draft_tokens: Tensor, target_argmax: Tensor) -> tuple[int, int
     return a, int(target_argmax[a].item())
 
 
+def accept_greedy_batch(drafts: Tensor, target_argmax: Tensor) -> Tensor:
+    """``accept_greedy`` for a batch on the device, no host sync (CUDA graphs): drafts [B, g],
+    target_argmax [B, g + 1] -> accepted counts a [B] (int64); the bonus is ``target_argmax[b, a]``."""
+    g = drafts.shape[1]
+    if target_argmax.shape != (drafts.shape[0], g + 1):
+        raise WmtpError(f"target_argmax shape {tuple(target_argmax.shape)} must be [{drafts.shape[0]}, {g + 1}]")
+    match = (drafts == target_argmax[:, :g]).to(torch.int64)
+    return torch.cumprod(match, dim=1).sum(dim=1)
+
+
 def accept_speculative(
     draft_tokens: Tensor,
     q_probs: Tensor,
