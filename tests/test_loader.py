@@ -439,7 +439,8 @@ def test_random_init_activations_finite(preset: str) -> None:
     model = wmtp.load_model(preset, seed=3)
     assert model.config.num_layers == 4
     outputs: list[torch.Tensor] = []
-    hooks = [layer.register_forward_hook(lambda _m, _i, out: outputs.append(out)) for layer in model.model.layers]
+    # a block returns (h, residual), its output being their sum (the add is deferred into the next norm)
+    hooks = [layer.register_forward_hook(lambda _m, _i, out: outputs.append(out[0] + out[1])) for layer in model.model.layers]
     try:
         logits = model.score(random_ids(200, seed=5))
     finally:
