@@ -142,6 +142,8 @@ def test_store_kv_matches_index_put(dtype):
     TorchBackend().store_kv(k, v, *want, slots)
     store_kv(k, v, *caches, slots)
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    store_kv(k[:0], v[:0], *caches, slots[:0])  # no tokens: nothing written, no launch
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
     with pytest.raises(ValueError, match="slots"):
         store_kv(k, v, *caches, slots[:3])
 

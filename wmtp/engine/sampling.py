@@ -148,9 +148,8 @@ def accept_greedy(draft_tokens: Tensor, target_argmax: Tensor) -> tuple[int, int
     """
     if target_argmax.ndim != 1:
         raise WmtpError(f"target_argmax shape {tuple(target_argmax.shape)} must be [g+1]")
-    g = _check_draft(draft_tokens, target_argmax, "target_argmax")
-    match = draft_tokens.to(target_argmax.device) == target_argmax[:g]
-    a = int(torch.cumprod(match.to(torch.int64), dim=0).sum().item()) if g else 0
+    _check_draft(draft_tokens, target_argmax, "target_argmax")
+    a = int(accept_greedy_batch(draft_tokens.to(target_argmax.device)[None], target_argmax[None])[0])
     return a, int(target_argmax[a].item())
 
 

@@ -251,15 +251,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             or v_cache.stride() != k_cache.stride() or slots.shape != (T,)):
         raise ValueError(f"store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, caches {tuple(k_cache.shape)} / "
                          f"{tuple(v_cache.shape)}, slots {tuple(slots.shape)} disagree")
+    if T == 0:
+        return
     if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:  # a cast (e.g. fp32 activations, bf16 cache)
         k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     k, v = (x if x[0].is_contiguous() else x.contiguous() for x in (k, v))
     if not k_cache[0].is_contiguous():
         raise ValueError(f"store_kv: cache rows must be contiguous (strides {k_cache.stride()})")
     N = k.shape[1] * k.shape[2]
-    if T:
-        _store_kv_kernel[(T, 2)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), k_cache.stride(0), N,
-                                 BLOCK=min(1024, triton.next_power_of_2(N)))
+    _store_kv_kernel[(T, 2)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), k_cache.stride(0), N,
+                             BLOCK=min(1024, triton.next_power_of_2(N)))
 
 
 def _num_sms(device: torch.device) -> int:
