@@ -14,19 +14,33 @@ from wmtp.models.context import ForwardContext  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _gate_inputs(T, hk, hv, g):
+    """A fused ``in_proj_ba`` output [T, hk, 2r] ([b | a] per k-head, as the checkpoint lays it out)
+    and the layer's A_log, dt_bias [hv]; decays exp(g) land in about (0.1, 1)."""
+    ba = torch.randn(T, hk, 2 * (hv // hk), generator=g)
+    A_log = torch.empty(hv).uniform_(0.1, 1.0, generator=g).log()
+    return {"ba": ba, "A_log": A_log, "dt_bias": torch.randn(hv, generator=g) * 0.5}
+
+
+def _split_ba(t):
+    """Replaces ``ba`` by its strided [T, G, R] views b, a (what ``GatedDeltaNet._project`` hands on)."""
+    ba = t.pop("ba")
+    t["b"], t["a"] = ba.split(ba.shape[-1] // 2, dim=-1)
+    return t
+
+
 def _inputs(q_lens, hk=2, hv=4, dk=16, dv=24, kernel=4, slots=(3, 0, 5), seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     T = sum(q_lens)
     conv_dim = 2 * hk * dk + hv * dv
     t = {
         "mixed_qkv": torch.randn(T, conv_dim, generator=g),
-        "g": -torch.rand(T, hv, generator=g) * 2,  # log decay
-        "beta": torch.rand(T, hv, generator=g),
+        **_gate_inputs(T, hk, hv, g),
         "conv_weight": torch.randn(conv_dim, kernel, generator=g) * 0.5,
         "conv_state": torch.randn(6, conv_dim, kernel - 1, generator=g),
         "ssm_state": torch.randn(6, hv, dk, dv, generator=g) * 0.1,
     }
-    t = {k: v.to(DEVICE, torch.float32 if k == "ssm_state" else dtype) for k, v in t.items()}
+    t = _split_ba({k: v.to(DEVICE, torch.float32 if k == "ssm_state" else dtype) for k, v in t.items()})
     ctx = dict(q_starts=[10] * len(q_lens), q_lens=list(q_lens),
                state_slots=torch.tensor(slots[: len(q_lens)], device=DEVICE), device=DEVICE)
     return t, ctx, (hk, hv, dk, dv, kernel)
@@ -36,7 +50,7 @@ def _inputs(q_lens, hk=2, hv=4, dk=16, dv=24, kernel=4, slots=(3, 0, 5), seed=0,
                                            (True, [1]), (True, [7, 7]), (True, [3, 3, 3])])
 def test_recurrent_kernel_matches_reference(q_lens, record):
     t, ctx, dims = _inputs(q_lens)
-    ref = {k: v.clone() for k, v in t.items()}
+    ref = {k: v.clone() for k, v in t.items()}  # a, b become contiguous: the reference takes any layout
     c_ref = ForwardContext(**ctx, record_states=record)
     c_tri = ForwardContext(**ctx, record_states=record)
     want = TorchBackend().gated_delta_net(**{k: ref[k] for k in ref}, ctx=c_ref, layer_idx=0, dims=dims)
@@ -55,6 +69,81 @@ def test_record_needs_equal_lengths():
     t, ctx, dims = _inputs([2, 3])
     with pytest.raises(ValueError, match="same q_len"):
         TritonBackend().gated_delta_net(**t, ctx=ForwardContext(**ctx, record_states=True), layer_idx=0, dims=dims)
+
+
+def _reference_recurrent(q, k, v, a, b, A_log, dt_bias, state):
+    """One request through ``torch_gdn``: gates, k-heads repeated to the v-heads, then the delta rule
+    a token at a time. Returns o [n, HV, Dv] and the fp32 state after every token [n, HV, Dk, Dv]."""
+    from wmtp.kernels.torch_gdn import gated_delta_rule_recurrent, gdn_gates
+
+    group = v.shape[1] // q.shape[1]
+    g, beta = gdn_gates(a.flatten(1), b.flatten(1), A_log, dt_bias)
+    q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        o, state = gated_delta_rule_recurrent(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1],
+                                              beta[t : t + 1], state)
+        outs.append(o)
+        states.append(state)
+    return torch.cat(outs), torch.stack(states)
+
+
+# Half precision checks that beta is rounded to b's dtype before use, as the reference's is. The
+# Triton interpreter truncates fp32 -> bf16 (GPUs round to nearest, as torch), so bf16 runs on GPUs.
+_BF16_GPU = pytest.param(torch.bfloat16, marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                      reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, _BF16_GPU])
+@pytest.mark.parametrize("block_v", [16, 32])
+@pytest.mark.parametrize("record", [False, True])
+def test_recurrent_folded_gates_match_reference(record, block_v, dtype):
+    """gdn_recurrent computes g, beta in-kernel from strided a, b views of a fused ba projection:
+    GVA (HV = 2 HK), requests of different q_len, Dv not a multiple of block_v, a + dt_bias past
+    softplus' threshold."""
+    from wmtp.kernels.gdn import gdn_recurrent
+
+    gen = torch.Generator().manual_seed(block_v + record)
+    q_lens, slots, hk, hv, dk, dv = [5, 1, 3], [4, 0, 2], 2, 4, 16, 40
+    T = sum(q_lens)
+    t = _gate_inputs(T, hk, hv, gen)
+    t["ba"][0, 1, 2] = 30.0  # a of v-head 2 at token 0: softplus(x) = x beyond 20
+    qkv = torch.randn(T, 2 * hk * dk + hv * dv, generator=gen)
+    t = _split_ba({k: x.to(DEVICE, dtype) for k, x in {**t, "qkv": qkv}.items()})
+    q, k, v = t.pop("qkv").split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.view(T, hk, dk), k.view(T, hk, dk), v.view(T, hv, dv)
+    state = (torch.randn(5, hv, dk, dv, generator=gen) * 0.1).to(DEVICE)
+    want_state = state.clone()
+    offs = [sum(q_lens[:i]) for i in range(len(q_lens))]
+    i32 = dict(device=DEVICE, dtype=torch.int32)
+    o, rec = gdn_recurrent(q, k, v, t["a"], t["b"], t["A_log"], t["dt_bias"], state, torch.tensor(slots, device=DEVICE),
+                           torch.tensor(offs, **i32), torch.tensor(q_lens, **i32), record, block_v=block_v)
+    assert (rec is not None) == record
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for lo, n, slot in zip(offs, q_lens, slots):
+        rows = slice(lo, lo + n)
+        o_ref, s_ref = _reference_recurrent(q[rows], k[rows], v[rows], t["a"][rows], t["b"][rows], t["A_log"],
+                                            t["dt_bias"], want_state[slot])
+        want_state[slot] = s_ref[-1]
+        assert (o[rows].float() - o_ref.float()).abs().max().item() < tol
+        if record:
+            assert (rec[rows] - s_ref).abs().max().item() < 1e-5
+    assert (state - want_state).abs().max().item() < 1e-5  # untouched slots too
+
+
+def test_recurrent_rejects_bad_gates():
+    from wmtp.kernels.gdn import gdn_recurrent
+
+    t, ctx, (hk, hv, dk, dv, _) = _inputs([2])
+    T = 2
+    q = t["mixed_qkv"][:, : hk * dk].reshape(T, hk, dk)
+    v = torch.zeros(T, hv, dv, device=DEVICE)
+    lens = [torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.full((1,), T, dtype=torch.int32, device=DEVICE)]
+    args = (t["ssm_state"], ctx["state_slots"], *lens, False)
+    with pytest.raises(ValueError, match="gdn_recurrent: a"):
+        gdn_recurrent(q, q, v, t["a"], t["b"], t["A_log"][:-1], t["dt_bias"], *args)
+    with pytest.raises(ValueError, match="block_v"):
+        gdn_recurrent(q, q, v, t["a"], t["b"], t["A_log"], t["dt_bias"], *args, block_v=24)
 
 
 def test_long_pieces_without_fla_use_the_reference():

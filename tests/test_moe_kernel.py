@@ -9,7 +9,9 @@ import torch
 pytest.importorskip("triton")
 
 from wmtp.kernels.common import SharedExpert  # noqa: E402
-from wmtp.kernels.moe import down_combine, moe_gemv, route, route_topk, routed_experts_grouped, swiglu_gemv  # noqa: E402
+from wmtp.kernels.moe import (  # noqa: E402
+    down_combine, moe_gemv, route, route_topk, routed_experts_grouped, shared_expert_reference, swiglu_gemv,
+    swiglu_gemv_with_shared)
 from wmtp.models.backend import TorchBackend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,6 +30,26 @@ def _shared(H: int, inter: int, seed: int, dtype=torch.float32) -> SharedExpert:
     ws = (torch.randn(inter, H, generator=g) * H**-0.5, torch.randn(inter, H, generator=g) * H**-0.5,
           torch.randn(H, inter, generator=g) * inter**-0.5, torch.randn(1, H, generator=g) * H**-0.5)
     return SharedExpert(*(w.to(DEVICE, dtype) for w in ws))
+
+
+def _swiglu_reference(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(x @ gate.T) * (x @ up.T)`` rounded per projection as the reference MoE rounds it."""
+    F = torch.nn.functional
+    return F.silu(F.linear(x, gate)) * F.linear(x, up)
+
+
+# Triton's CPU interpreter rounds fp32 -> bf16 toward zero (the GPU to nearest), up to an ulp (2^-7)
+# low on each of the four roundings of a SwiGLU + down chain: 2-3% of the largest value measured.
+BF16_TOL = 2e-2 if DEVICE == "cuda" else 5e-2
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """The file's tolerances: 1e-4 absolute in fp32, ``BF16_TOL`` of the largest value in bf16."""
+    tol = 1e-4 if want.dtype == torch.float32 else BF16_TOL * want.float().abs().max().item()
+    return got.dtype == want.dtype and (got.float() - want.float()).abs().max().item() <= tol
+
+
+BF16 = pytest.param(torch.bfloat16, id="bf16")
 
 
 @pytest.mark.parametrize("E,top_k,norm", [(8, 2, True), (60, 8, False), (256, 8, True)])
@@ -67,14 +89,31 @@ def test_swiglu_gemv_matches_reference():
     assert torch.allclose(single, torch.nn.functional.silu(x @ w[2, :40].T) * (x @ w[2, 40:].T), atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("inter_s", [40, 24, 56])  # the shared expert's N equal to, below, above the routed N
+def test_swiglu_gemv_with_shared_matches_reference(inter_s, tokens, dtype):
+    """One launch: the routed pairs' rows and one shared-expert row per token, each as the reference."""
+    g = torch.Generator().manual_seed(inter_s + tokens)
+    w = (torch.randn(5, 80, 300, generator=g) * 300**-0.5).to(DEVICE, dtype)  # routed N = 40, K over two blocks
+    sg, su = ((torch.randn(inter_s, 300, generator=g) * 300**-0.5).to(DEVICE, dtype) for _ in range(2))
+    x = torch.randn(tokens, 300, generator=g).to(DEVICE, dtype)
+    idx = torch.randint(0, 5, (tokens * 3,), generator=g).to(DEVICE)  # top-3
+    routed, shared = swiglu_gemv_with_shared(x, w[:, :40], w[:, 40:], idx, 3, sg, su)
+    want = torch.cat([_swiglu_reference(x[p // 3, None], w[e, :40], w[e, 40:]) for p, e in enumerate(idx.tolist())])
+    assert routed.shape == (tokens * 3, 40) and _close(routed, want)
+    assert shared.shape == (tokens, inter_s) and _close(shared, _swiglu_reference(x, sg, su))
+
+
+@pytest.mark.parametrize("top_k", [3, 6])  # neither a power of two: the padded expert slots must not count
 @pytest.mark.parametrize("with_shared", [False, True])
-def test_down_combine_matches_reference(with_shared):
-    g = torch.Generator().manual_seed(1)
-    down = torch.randn(6, 50, 140, generator=g).to(DEVICE)
-    h = torch.randn(4 * 3, 140, generator=g).to(DEVICE)
-    idx = torch.randint(0, 6, (4, 3), generator=g).to(DEVICE)
-    top_w = torch.rand(4, 3, generator=g).to(DEVICE)
-    y = torch.einsum("pnk,pk->pn", down[idx.view(-1)], h).view(4, 3, 50)
+def test_down_combine_matches_reference(with_shared, top_k):
+    g = torch.Generator().manual_seed(top_k)
+    down = torch.randn(8, 50, 140, generator=g).to(DEVICE)
+    h = torch.randn(4 * top_k, 140, generator=g).to(DEVICE)
+    idx = torch.randint(0, 8, (4, top_k), generator=g).to(DEVICE)
+    top_w = torch.rand(4, top_k, generator=g).to(DEVICE)
+    y = torch.einsum("pnk,pk->pn", down[idx.view(-1)], h).view(4, top_k, 50)
     want = (y * top_w[..., None]).sum(1)
     shared = None
     if with_shared:  # the shared expert's down projection (Ks = 300: more than one K block) and gate
@@ -82,7 +121,7 @@ def test_down_combine_matches_reference(with_shared):
         logit = torch.randn(4, generator=g).to(DEVICE)
         shared = (hs, ws, logit)
         want = want + torch.sigmoid(logit)[:, None] * (hs @ ws.T)
-    assert torch.allclose(down_combine(h, down, idx, top_w, 3, shared), want, atol=1e-4)
+    assert torch.allclose(down_combine(h, down, idx, top_w, top_k, shared), want, atol=1e-4)
 
 
 @pytest.mark.parametrize("tokens,top_k,norm,shared", [(1, 2, True, False), (7, 4, False, True), (13, 3, True, True)])
@@ -93,6 +132,21 @@ def test_routed_experts_match_reference(tokens, top_k, norm, shared):
     want = TorchBackend().moe(x, router, gate_up, down, top_k, norm, sh)
     got = moe_gemv(x, router, gate_up, down, top_k, norm, sh)
     assert (got - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("tokens,top_k", [(1, 8), (7, 6)])
+@pytest.mark.parametrize("inter_s", [48, 40])  # the shared expert's intermediate size equal to the routed one, or not
+def test_moe_gemv_with_shared_matches_reference(inter_s, tokens, top_k, dtype):
+    """The whole decode path (routing, the folded routed + shared SwiGLU, down + combine) against
+    ``TorchBackend.moe`` (whose shared part is ``shared_expert_reference``)."""
+    router, gate_up, down = _weights(E=8, H=64, inter=48, seed=tokens, dtype=dtype)
+    sh = _shared(64, inter_s, seed=tokens + 1, dtype=dtype)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    want = TorchBackend().moe(x, router, gate_up, down, top_k, True, sh)
+    assert _close(moe_gemv(x, router, gate_up, down, top_k, True, sh), want)
+    # the shared expert alone is a large part of the output: a wrong shared row would not pass unseen
+    assert shared_expert_reference(x, sh).float().abs().max() > 0.1 * want.float().abs().max()
 
 
 @pytest.mark.parametrize("tokens,top_k", [(40, 8), (300, 4)])
@@ -112,6 +166,18 @@ def test_shape_errors_name_the_tensors():
         swiglu_gemv(torch.zeros(2, 8), torch.zeros(3, 4, 9), torch.zeros(3, 4, 9), torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="swiglu_gemv: idx"):
         swiglu_gemv(torch.zeros(2, 8), torch.zeros(3, 4, 8), torch.zeros(3, 4, 8), torch.zeros(3, dtype=torch.long), 2)
+    x, w = torch.zeros(2, 8), torch.zeros(3, 4, 8)
+    idx = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"swiglu_gemv_with_shared: shared_gate \(5, 6\).*must be \[Ns, 8\]"):
+        swiglu_gemv_with_shared(x, w, w, idx, 2, torch.zeros(5, 6), torch.zeros(5, 6))
+    with pytest.raises(ValueError, match="swiglu_gemv_with_shared: shared_gate .* torch.float64 must be"):
+        swiglu_gemv_with_shared(x, w, w, idx, 2, torch.zeros(5, 8, dtype=torch.float64), torch.zeros(5, 8))
+    with pytest.raises(ValueError, match="swiglu_gemv_with_shared: shared_up"):
+        swiglu_gemv_with_shared(x, w, w, idx, 2, torch.zeros(5, 8), torch.zeros(6, 8))
+    with pytest.raises(ValueError, match=r"down_combine: h \(5, 8\) must be \[T \* top_k, K\]"):
+        down_combine(torch.zeros(5, 8), w, torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2), 2)
+    with pytest.raises(ValueError, match=r"down_combine: idx \(2, 3\) and top_w \(2, 2\) must be \[2, 2\]"):
+        down_combine(torch.zeros(4, 8), w, torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 2), 2)
     with pytest.raises(ValueError, match="down_combine: shared"):
         down_combine(torch.zeros(4, 8), torch.zeros(3, 5, 8), torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2), 2,
                      shared=(torch.zeros(2, 6), torch.zeros(4, 6), torch.zeros(2)))

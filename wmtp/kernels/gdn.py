@@ -3,9 +3,11 @@
 One program owns (request, value head, block of value dims): it keeps that slice of the recurrent
 state [Dk, BLOCK_V] in registers, runs the request's tokens through the delta rule (same math as
 ``torch_gdn.gated_delta_rule_recurrent``: q, k L2-normalised in-kernel, q scaled by Dk**-0.5), and
-writes the state back to its pool slot. With ``record`` it also writes the state after every token,
-which is what the engine rolls back to after a partially accepted verify. All requests of a
-forward run in one launch; nothing syncs with the host. The twin is ``TorchBackend.gated_delta_net``.
+writes the state back to its pool slot. The gates g, beta are computed in-kernel from the raw ``a``,
+``b`` projections (``torch_gdn.gdn_gates``' math), which saves the separate gates launch per layer.
+With ``record`` it also writes the state after every token, which is what the engine rolls back to
+after a partially accepted verify. All requests of a forward run in one launch; nothing syncs with
+the host. The twin is ``TorchBackend.gated_delta_net``.
 """
 
 from __future__ import annotations
@@ -26,10 +28,20 @@ MAX_RECURRENT_TOKENS = 16
 if triton is not None:
 
     @triton.jit
-    def _gdn_recurrent_kernel(Q, K, V, G, BETA, STATE, SLOTS, TOK_OFF, Q_LEN, O, REC,
-                              HV, stride_qt, stride_qh, stride_vt, stride_vh, stride_ss, stride_sh,
-                              scale, eps, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                              BLOCK_V: tl.constexpr, RECORD: tl.constexpr):
+    def _gate_values(a, b, a_log, dt_bias):
+        """``torch_gdn.gdn_gates`` elementwise: g = -exp(A_log) * softplus(a + dt_bias) in fp32 and
+        beta = sigmoid(b) rounded to b's dtype (what the reference hands the delta rule)."""
+        x = a.to(tl.float32) + dt_bias.to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
+        g = -tl.exp(a_log.to(tl.float32)) * softplus
+        beta = 1.0 / (1.0 + tl.exp(-b.to(tl.float32)))
+        return g, beta.to(b.dtype)
+
+    @triton.jit
+    def _gdn_recurrent_kernel(Q, K, V, A, B, A_LOG, DT_BIAS, STATE, SLOTS, TOK_OFF, Q_LEN, O, REC,
+                              HV, R, stride_qt, stride_qh, stride_vt, stride_vh, stride_at, stride_ag, stride_bt,
+                              stride_bg, stride_ss, stride_sh, scale, eps, GROUP: tl.constexpr, DK: tl.constexpr,
+                              DV: tl.constexpr, BLOCK_V: tl.constexpr, RECORD: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -39,6 +51,8 @@ if triton is not None:
         ks = tl.arange(0, DK)
         vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = vs < DV
+        a_log = tl.load(A_LOG + h)
+        dt_bias = tl.load(DT_BIAS + h)
         s_ptr = STATE + slot * stride_ss + h * stride_sh + ks[:, None] * DV + vs[None, :]
         S = tl.load(s_ptr, mask=v_ok[None, :], other=0.0).to(tl.float32)
         for t in range(0, n):
@@ -46,13 +60,13 @@ if triton is not None:
             q = tl.load(Q + row * stride_qt + (h // GROUP) * stride_qh + ks).to(tl.float32)
             k = tl.load(K + row * stride_qt + (h // GROUP) * stride_qh + ks).to(tl.float32)
             v = tl.load(V + row * stride_vt + h * stride_vh + vs, mask=v_ok, other=0.0).to(tl.float32)
-            g = tl.load(G + row * HV + h).to(tl.float32)
-            beta = tl.load(BETA + row * HV + h).to(tl.float32)
+            g, beta = _gate_values(tl.load(A + row * stride_at + (h // R) * stride_ag + h % R),
+                                   tl.load(B + row * stride_bt + (h // R) * stride_bg + h % R), a_log, dt_bias)
             q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * scale
             k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
             S = S * tl.exp(g)
             pred = tl.sum(k[:, None] * S, 0)  # what the state already predicts for k
-            delta = (v - pred) * beta
+            delta = (v - pred) * beta.to(tl.float32)
             S = S + k[:, None] * delta[None, :]
             o = tl.sum(q[:, None] * S, 0)
             tl.store(O + row * (HV * DV) + h * DV + vs, o.to(O.dtype.element_ty), mask=v_ok)
@@ -61,19 +75,15 @@ if triton is not None:
                 tl.store(r_ptr, S, mask=v_ok[None, :])
         tl.store(s_ptr, S.to(STATE.dtype.element_ty), mask=v_ok[None, :])
 
-
     @triton.jit
     def _gates_kernel(A, B, A_LOG, DT_BIAS, G_OUT, BETA_OUT, HV, R, stride_at, stride_ag, stride_bt, stride_bg,
                       BLOCK_H: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         hs = tl.arange(0, BLOCK_H)
         ok = hs < HV
-        a = tl.load(A + t * stride_at + (hs // R) * stride_ag + hs % R, mask=ok, other=0.0).to(tl.float32)
+        a = tl.load(A + t * stride_at + (hs // R) * stride_ag + hs % R, mask=ok, other=0.0)
         b = tl.load(B + t * stride_bt + (hs // R) * stride_bg + hs % R, mask=ok, other=0.0)
-        x = a + tl.load(DT_BIAS + hs, mask=ok, other=0.0).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
-        g = -tl.exp(tl.load(A_LOG + hs, mask=ok, other=0.0).to(tl.float32)) * softplus
-        beta = 1.0 / (1.0 + tl.exp(-b.to(tl.float32)))
+        g, beta = _gate_values(a, b, tl.load(A_LOG + hs, mask=ok, other=0.0), tl.load(DT_BIAS + hs, mask=ok, other=0.0))
         tl.store(G_OUT + t * HV + hs, g, mask=ok)
         tl.store(BETA_OUT + t * HV + hs, beta.to(BETA_OUT.dtype.element_ty), mask=ok)
 
@@ -116,16 +126,25 @@ if triton is not None:
         tl.store(s_ptr + 2, h1, mask=ok)
 
 
+def _check_gate_views(op: str, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+                      ) -> int:
+    """Validates the gate inputs of ``op``: a, b [T, G, R] with unit last stride (v-head h at
+    ``[:, h // R, h % R]``), A_log, dt_bias [G * R]. Returns R."""
+    views_ok = a.dim() == 3 and b.shape == a.shape and a.stride(2) == 1 and b.stride(2) == 1
+    if not views_ok or A_log.shape != (a.shape[1] * a.shape[2],) or dt_bias.shape != A_log.shape:
+        raise ValueError(f"{op}: a {tuple(a.shape)}, b {tuple(b.shape)} must be [T, G, R] views with unit last "
+                         f"stride and A_log {tuple(A_log.shape)}, dt_bias {tuple(dt_bias.shape)} [G * R]")
+    return a.shape[2]
+
+
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch_gdn.gdn_gates`` (its twin) in one launch. a, b: [T, G, R] with v-head h at
+    """``torch_gdn.gdn_gates`` (its twin) in one launch, for the chunked (prefill) path; decode /
+    verify compute the gates inside ``gdn_recurrent``. a, b: [T, G, R] with v-head h at
     ``[:, h // R, h % R]`` (strided views of the fused ``ba`` projection are fine: no copies).
     Returns g [T, HV] fp32 and beta [T, HV] in b's dtype."""
-    T, G, R = a.shape
-    HV = G * R
-    if b.shape != a.shape or A_log.shape != (HV,) or dt_bias.shape != (HV,) or a.stride(2) != 1 or b.stride(2) != 1:
-        raise ValueError(f"gdn_gates: a {tuple(a.shape)}, b {tuple(b.shape)} must be [T, G, R] views with unit last "
-                         f"stride and A_log {tuple(A_log.shape)}, dt_bias {tuple(dt_bias.shape)} [{HV}]")
+    R = _check_gate_views("gdn_gates", a, b, A_log, dt_bias)
+    T, HV = a.shape[0], A_log.shape[0]
     g = torch.empty(T, HV, device=a.device, dtype=torch.float32)
     beta = torch.empty(T, HV, device=a.device, dtype=b.dtype)
     if T:
@@ -165,16 +184,19 @@ def conv_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
 
 
 def gdn_recurrent(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    ssm_state: torch.Tensor, slots: torch.Tensor, tok_off: torch.Tensor, q_len: torch.Tensor, record: bool,
-    record_into: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, tok_off: torch.Tensor, q_len: torch.Tensor,
+    record: bool, record_into: torch.Tensor | None = None, block_v: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q, k [T, HK, Dk] (v-head h reads k-head h // (HV / HK); strided views of the conv output are
-    fine, they share strides); v [T, HV, Dv]; g, beta [T, HV]; request b
-    owns rows ``tok_off[b] .. tok_off[b] + q_len[b] - 1`` (int32 device tensors [B], so nothing is
-    read on the host: graph-capturable) and updates ``ssm_state[slots[b]]`` in place. Returns o
-    [T, HV, Dv] and, with ``record``, the fp32 state after every token [T, HV, Dk, Dv] (written to
-    ``record_into[:T]`` when given: the engine's preallocated verify states)."""
+    fine, they share strides); v [T, HV, Dv]; a, b [T, G, R] and A_log, dt_bias [HV] the gate inputs
+    as ``gdn_gates`` takes them (g, beta are computed per token and head in-kernel, same math and
+    rounding); request b owns rows ``tok_off[b] .. tok_off[b] + q_len[b] - 1`` (int32 device tensors
+    [B], so nothing is read on the host: graph-capturable) and updates ``ssm_state[slots[b]]`` in
+    place. Returns o [T, HV, Dv] and, with ``record``, the fp32 state after every token
+    [T, HV, Dk, Dv] (written to ``record_into[:T]`` when given: the engine's preallocated verify
+    states). ``block_v`` (a power of 2) is the value dims per program: smaller means more programs
+    (B * HV * Dv / block_v) over the same state bytes."""
     T, HK, DK = q.shape
     HV, DV = v.shape[1:]
     if DK & (DK - 1) or ssm_state.shape[1:] != (HV, DK, DV) or not ssm_state.is_contiguous() or HV % HK:
@@ -183,6 +205,10 @@ def gdn_recurrent(
     if k.shape != q.shape or k.stride() != q.stride() or q.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError(f"gdn_recurrent: q {tuple(q.shape)} and k {tuple(k.shape)} must share shape and strides, "
                          "with unit stride on the head dim (v too)")
+    R = _check_gate_views("gdn_recurrent", a, b, A_log, dt_bias)
+    if a.shape[0] != T or A_log.shape != (HV,) or block_v < 1 or block_v & (block_v - 1):
+        raise ValueError(f"gdn_recurrent: gates a {tuple(a.shape)} / A_log {tuple(A_log.shape)} must cover {T} "
+                         f"tokens x {HV} v heads; block_v={block_v} must be a power of 2")
     o = torch.empty(T, HV, DV, device=q.device, dtype=q.dtype)
     if not record:
         rec = o  # unused
@@ -193,11 +219,12 @@ def gdn_recurrent(
         rec = record_into[:T]
     else:
         rec = torch.empty(T, HV, DK, DV, device=q.device, dtype=torch.float32)
-    block_v = min(32, triton.next_power_of_2(DV))
+    block_v = min(block_v, triton.next_power_of_2(DV))
     _gdn_recurrent_kernel[(slots.shape[0], HV, triton.cdiv(DV, block_v))](
-        q, k, v, g.contiguous(), beta.contiguous(), ssm_state, slots, tok_off, q_len, o, rec,
-        HV, q.stride(0), q.stride(1), v.stride(0), v.stride(1), ssm_state.stride(0), ssm_state.stride(1),
-        DK**-0.5, L2NORM_EPS, GROUP=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, RECORD=record,
+        q, k, v, a, b, A_log, dt_bias, ssm_state, slots, tok_off, q_len, o, rec,
+        HV, R, q.stride(0), q.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        ssm_state.stride(0), ssm_state.stride(1), DK**-0.5, L2NORM_EPS,
+        GROUP=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, RECORD=record,
     )
     return o, rec if record else None
 

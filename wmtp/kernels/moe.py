@@ -1,5 +1,5 @@
-"""Triton MoE for decode-sized batches (B·d tokens): routing, SwiGLU experts and the weighted
-combine in three launches, no host sync.
+"""Triton MoE for decode-sized batches (B·d tokens): routing, SwiGLU experts (routed and shared)
+and the weighted combine in three launches after the router GEMM, no host sync.
 
 At decode / verify / draft sizes each (token, chosen expert) pair is a matrix-vector product, so
 the cost is reading the chosen experts' weights; what PyTorch adds around it (softmax, top-k sort,
@@ -8,15 +8,19 @@ dozen tiny kernels per layer, which dominate a CUDA-graph replay at B = 1. Here:
 
 - ``route_topk``: softmax over the router logits, top-k by repeated arg-max, renormalise (fp32);
   and the shared expert's gate logit (a [H] dot per token).
-- ``swiglu_gemv``: ``silu(W_gate[e] x) * (W_up[e] x)`` per pair, the token row read as
-  ``p // top_k`` (no repeated copy of x). Also serves the shared expert (one fixed expert).
-- ``down_combine``: ``sum_k w[t,k] * W_down[e_k] h[t,k]`` per token, plus the shared expert's
-  down projection times ``sigmoid(logit[t])``, written once in the output dtype.
+- ``swiglu_gemv_with_shared``: ``silu(W_gate[e] x) * (W_up[e] x)`` per pair, the token row read
+  as ``p // top_k`` (no repeated copy of x), and in the same launch T more rows, one per token,
+  with the shared expert's weights (its own intermediate size). A separate launch for the shared
+  expert had too few programs to reach bandwidth (7.5 us for a 1 us weight read on the H200).
+  ``swiglu_gemv`` is the routed part alone (no shared expert).
+- ``down_combine``: ``sum_k w[t,k] * W_down[e_k] h[t,k]`` per token, the top_k experts' tiles
+  loaded together (one [top_k, rows, BLOCK_K] load per K step, not top_k dependent loops), plus
+  the shared expert's down projection times ``sigmoid(logit[t])``, written once in the output dtype.
 
 The reference (``TorchBackend.moe``) loops over the distinct experts with ``torch.unique`` (a host
 sync per layer); ``tests/test_moe_kernel.py`` compares every kernel and the whole path with it.
-Rounding follows the reference: expert outputs are rounded to the activation dtype before the
-weighted sum.
+Rounding follows the reference: each projection is rounded to the activation dtype (as F.linear's
+output is), and expert outputs are rounded before the weighted sum.
 """
 
 from __future__ import annotations
@@ -71,29 +75,38 @@ if triton is not None:
         tl.store(I_OUT + t * TOP_K + ks, sel_i, mask=ks < TOP_K)
 
     @triton.jit
-    def _swiglu_gemv_kernel(X, WG, WU, IDX, OUT, N, K, stride_we, stride_wn, TOP_K: tl.constexpr,
-                            SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _swiglu_gemv_kernel(X, WG, WU, IDX, SG, SU, OUT, P, N, NS, K, stride_we, stride_wn, stride_sn,
+                            TOP_K: tl.constexpr, SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         p = tl.program_id(0)
         nb = tl.program_id(1)
-        e = 0 if SINGLE else tl.load(IDX + p).to(tl.int64)
-        tok = p // TOP_K
+        # rows p < P: routed pair p (expert idx[p], token p // TOP_K) into OUT[:P*N] as [P, N]; rows
+        # p >= P: the shared expert for token p - P into OUT[P*N:] as [T, NS]. Selected by value,
+        # not by branching, so both kinds of program run the same loop.
+        sh = p >= P
+        e = 0 if SINGLE else tl.load(IDX + p, mask=p < P, other=0).to(tl.int64)
+        wg = tl.where(sh, SG, WG + e * stride_we)
+        wu = tl.where(sh, SU, WU + e * stride_we)
+        tok = tl.where(sh, p - P, p // TOP_K)
+        n = tl.where(sh, NS, N)
+        stride_n = tl.where(sh, stride_sn, stride_wn)
+        out = OUT + tl.where(sh, P * N + (p - P) * NS, p * N)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
+        row_ok = rows < n  # the grid spans max(N, NS) rows: the narrower kind masks the rest
         g = tl.zeros([BLOCK_N], tl.float32)
         u = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
-            offs = e * stride_we + rows[:, None] * stride_wn + ks[None, :]
+            offs = rows[:, None] * stride_n + ks[None, :]
             m = row_ok[:, None] & k_ok[None, :]
             xv = tl.load(X + tok * K + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            g += tl.sum(tl.load(WG + offs, mask=m, other=0.0).to(tl.float32) * xv, 1)
-            u += tl.sum(tl.load(WU + offs, mask=m, other=0.0).to(tl.float32) * xv, 1)
+            g += tl.sum(tl.load(wg + offs, mask=m, other=0.0).to(tl.float32) * xv, 1)
+            u += tl.sum(tl.load(wu + offs, mask=m, other=0.0).to(tl.float32) * xv, 1)
         dt = OUT.dtype.element_ty
         g = g.to(dt).to(tl.float32)  # the reference rounds each projection to the activation dtype
         u = u.to(dt).to(tl.float32)
         h = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
-        tl.store(OUT + p * N + rows, h.to(dt), mask=row_ok)
+        tl.store(out + rows, h.to(dt), mask=row_ok)
 
     @triton.jit
     def _gemv_rows(W, stride_wn, V, rows, row_ok, K, BLOCK_K: tl.constexpr):
@@ -108,21 +121,33 @@ if triton is not None:
 
     @triton.jit
     def _down_combine_kernel(H, W, IDX, TW, HS, WS, SL, OUT, N, K, KS, stride_we, stride_wn, stride_ws,
-                             TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, SHARED: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         t = tl.program_id(0)
         nb = tl.program_id(1)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         dt = OUT.dtype.element_ty
-        out = tl.zeros([BLOCK_N], tl.float32)
-        for i in tl.static_range(TOP_K):
-            p = t * TOP_K + i
-            e = tl.load(IDX + p).to(tl.int64)
-            acc = _gemv_rows(W + e * stride_we, stride_wn, H + p * K, rows, row_ok, K, BLOCK_K)
-            out += acc.to(dt).to(tl.float32) * tl.load(TW + p)
+        # all top_k experts of token t at once: one [TOP_K_P, BLOCK_N, BLOCK_K] weight load per K step
+        # keeps top_k expert reads in flight (a loop over the experts issued them one after another)
+        sel = tl.arange(0, TOP_K_P)
+        sel_ok = sel < TOP_K
+        p = t * TOP_K + sel
+        e = tl.load(IDX + p, mask=sel_ok, other=0).to(tl.int64)
+        w_rows = W + e[:, None, None] * stride_we + rows[None, :, None] * stride_wn
+        w_ok = sel_ok[:, None, None] & row_ok[None, :, None]
+        acc = tl.zeros([TOP_K_P, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            w = tl.load(w_rows + ks[None, None, :], mask=w_ok & k_ok[None, None, :], other=0.0)
+            hv = tl.load(H + p[:, None] * K + ks[None, :], mask=sel_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * hv.to(tl.float32)[:, None, :], 2)
+        tw = tl.load(TW + p, mask=sel_ok, other=0.0)  # padded experts weigh 0 (and their acc is 0)
+        out = tl.sum(acc.to(dt).to(tl.float32) * tw[:, None], 0)  # each expert rounded as the reference's
         if SHARED:  # + sigmoid(logit[t]) * (W_shared_down @ h_shared[t]), the projection rounded as F.linear's
-            acc = _gemv_rows(WS, stride_ws, HS + t * KS, rows, row_ok, KS, BLOCK_K)
-            out += acc.to(dt).to(tl.float32) / (1.0 + tl.exp(-tl.load(SL + t)))
+            acc_s = _gemv_rows(WS, stride_ws, HS + t * KS, rows, row_ok, KS, BLOCK_K)
+            out += acc_s.to(dt).to(tl.float32) / (1.0 + tl.exp(-tl.load(SL + t)))
         tl.store(OUT + t * N + rows, out.to(dt), mask=row_ok)
 
 
@@ -169,25 +194,59 @@ def swiglu_gemv(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, idx: 
                 top_k: int = 1, **launch) -> torch.Tensor:
     """``silu(w_gate[idx[p]] @ x[p // top_k]) * (w_up[idx[p]] @ x[p // top_k])`` for every pair p.
     x [T, K]; w_gate, w_up [E, N, K] (same strides; views of one packed tensor are fine); idx
-    [T * top_k] or None (one expert, E = 1: the shared expert). Returns [T * top_k, N].
+    [T * top_k] or None (one expert, E = 1). Returns [T * top_k, N] in x's dtype.
     ``launch`` overrides BLOCK_N / BLOCK_K / num_warps / num_stages (``benchmarks/tune_moe.py``)."""
+    return _swiglu_launch("swiglu_gemv", x, w_gate, w_up, idx, top_k, None, launch)[0]
+
+
+def swiglu_gemv_with_shared(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, idx: torch.Tensor,
+                            top_k: int, shared_gate: torch.Tensor, shared_up: torch.Tensor,
+                            **launch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``swiglu_gemv``'s routed rows and the shared expert's ``silu(shared_gate @ x[t]) *
+    (shared_up @ x[t])`` for every token t, in one launch. shared_gate, shared_up [Ns, K] (same
+    strides and dtype as w_gate; Ns may differ from the routed N). Returns the routed rows
+    [T * top_k, N] and the shared rows [T, Ns], both contiguous views of one buffer."""
+    return _swiglu_launch("swiglu_gemv_with_shared", x, w_gate, w_up, idx, top_k, (shared_gate, shared_up), launch)
+
+
+def _check_shared_swiglu(name: str, w_gate: torch.Tensor, sg: torch.Tensor, su: torch.Tensor) -> None:
+    """The shared expert's gate / up weights share one pointer type and stride with the routed
+    ones in the kernel: [Ns, K], unit-strided along K, w_gate's dtype, equal strides."""
+    K = w_gate.shape[2]
+    if sg.dim() != 2 or sg.shape[1] != K or sg.stride(1) != 1 or sg.dtype != w_gate.dtype:
+        raise ValueError(f"{name}: shared_gate {tuple(sg.shape)} {sg.dtype} must be [Ns, {K}] {w_gate.dtype} "
+                         f"with unit stride on the last dim")
+    if su.shape != sg.shape or su.stride() != sg.stride() or su.dtype != sg.dtype:
+        raise ValueError(f"{name}: shared_up {tuple(su.shape)} must match shared_gate {tuple(sg.shape)}, "
+                         f"its strides and dtype")
+
+
+def _swiglu_launch(name: str, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, idx: torch.Tensor | None,
+                   top_k: int, shared: tuple[torch.Tensor, torch.Tensor] | None,
+                   launch: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Checks and launches ``_swiglu_gemv_kernel`` over the P routed rows and, with ``shared``, the T
+    shared-expert rows; returns (routed [P, N], shared [T, Ns] or None)."""
     T, K = x.shape
-    _check_experts("swiglu_gemv", x, w_gate, K)
+    _check_experts(name, x, w_gate, K)
     if w_up.shape != w_gate.shape or w_up.stride() != w_gate.stride():
-        raise ValueError(f"swiglu_gemv: w_up {tuple(w_up.shape)} must match w_gate {tuple(w_gate.shape)} and its strides")
+        raise ValueError(f"{name}: w_up {tuple(w_up.shape)} must match w_gate {tuple(w_gate.shape)} and its strides")
     P = T * top_k
     if idx is not None and idx.shape != (P,):
-        raise ValueError(f"swiglu_gemv: idx {tuple(idx.shape)} must be [{P}] (tokens x top_k)")
+        raise ValueError(f"{name}: idx {tuple(idx.shape)} must be [{P}] (tokens x top_k)")
     N = w_gate.shape[1]
-    out = torch.empty(P, N, device=x.device, dtype=x.dtype)
-    if P:
+    if shared is not None:
+        _check_shared_swiglu(name, w_gate, *shared)
+    sg, su = shared if shared is not None else (w_gate, w_up)  # no shared rows: never read
+    Ts, Ns = (T, sg.shape[0]) if shared is not None else (0, N)
+    buf = torch.empty(P * N + Ts * Ns, device=x.device, dtype=x.dtype)
+    if P + Ts:
         # 8-row tiles, 8 warps: best on the H200 at 1 and 7 tokens (8 us / 53 us for 8 / 56 pairs of the
         # 35B shape, vs 40 / 71 us at 32 x 128, 4 warps; benchmarks/tune_moe.py)
         cfg = {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 8, **launch}
-        _swiglu_gemv_kernel[(P, triton.cdiv(N, cfg["BLOCK_N"]))](
-            x.contiguous(), w_gate, w_up, x if idx is None else idx.contiguous(), out, N, K,
-            w_gate.stride(0), w_gate.stride(1), TOP_K=top_k, SINGLE=idx is None, **cfg)
-    return out
+        _swiglu_gemv_kernel[(P + Ts, triton.cdiv(max(N, Ns), cfg["BLOCK_N"]))](
+            x.contiguous(), w_gate, w_up, x if idx is None else idx.contiguous(), sg, su, buf, P, N, Ns, K,
+            w_gate.stride(0), w_gate.stride(1), sg.stride(-2), TOP_K=top_k, SINGLE=idx is None, **cfg)
+    return buf[:P * N].view(P, N), None if shared is None else buf[P * N:].view(T, Ns)
 
 
 def down_combine(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, top_w: torch.Tensor, top_k: int,
@@ -197,11 +256,13 @@ def down_combine(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, top_w: 
     expert's down projection and gate, no separate GEMM). h [T * top_k, K]; down [E, N, K]; idx,
     top_w [T, top_k]. Returns [T, N] in h's dtype. ``launch`` as for ``swiglu_gemv``."""
     P, K = h.shape
+    if top_k < 1 or P % top_k:
+        raise ValueError(f"down_combine: h {tuple(h.shape)} must be [T * top_k, K] for top_k={top_k}")
     T = P // top_k
     _check_experts("down_combine", h, down, K)
-    if P % top_k or idx.numel() != P or top_w.numel() != P:
-        raise ValueError(f"down_combine: h {tuple(h.shape)}, idx {tuple(idx.shape)}, top_w {tuple(top_w.shape)} "
-                         f"disagree for top_k={top_k}")
+    if idx.numel() != P or top_w.numel() != P:
+        raise ValueError(f"down_combine: idx {tuple(idx.shape)} and top_w {tuple(top_w.shape)} must be "
+                         f"[{T}, {top_k}] for h {tuple(h.shape)}")
     N = down.shape[1]
     if shared is not None:
         hs, ws, sl = shared
@@ -210,11 +271,14 @@ def down_combine(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, top_w: 
                              f"must be [{T}, Ks], [{N}, Ks] (unit stride on Ks) and [{T}]")
     out = torch.empty(T, N, device=h.device, dtype=h.dtype)
     if T:
-        cfg = {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, **launch}  # tuned as swiglu_gemv's
+        # the [top_k, BLOCK_N, BLOCK_K] weight tile is held in registers: 8 x 8 x 128 is 64 values a thread
+        # at 4 warps for top_k 8 (BLOCK_K 256 would double it); benchmarks/tune_moe.py sweeps the rest
+        cfg = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, **launch}
         hs, ws, sl = (out, out, out) if shared is None else (shared[0].contiguous(), shared[1], shared[2].float().contiguous())
         _down_combine_kernel[(T, triton.cdiv(N, cfg["BLOCK_N"]))](
             h.contiguous(), down, idx.contiguous(), top_w.float().contiguous(), hs, ws, sl, out,
-            N, K, hs.shape[-1], down.stride(0), down.stride(1), ws.stride(0), TOP_K=top_k, SHARED=shared is not None, **cfg)
+            N, K, hs.shape[-1], down.stride(0), down.stride(1), ws.stride(0), TOP_K=top_k,
+            TOP_K_P=triton.next_power_of_2(top_k), SHARED=shared is not None, **cfg)
     return out
 
 
@@ -234,16 +298,17 @@ def shared_expert_reference(x: torch.Tensor, shared: SharedExpert) -> torch.Tens
     return torch.sigmoid(F.linear(x, shared.gate)) * F.linear(h, shared.down_proj)
 
 
-def moe_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared: SharedExpert | None = None) -> torch.Tensor:
+def moe_gemv(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+             norm_topk_prob: bool, shared: SharedExpert | None = None) -> torch.Tensor:
     """Same contract as ``Backend.moe`` (softmax router, top-k SwiGLU experts, optional shared
-    expert) at decode sizes: the router GEMM and four launches (route + shared gate, routed and
+    expert) at decode sizes: the router GEMM and three launches (route + shared gate, routed and
     shared SwiGLU, down projections + combine)."""
     r = route_topk(F.linear(x, router_weight), top_k, norm_topk_prob, x, None if shared is None else shared.gate)
     inter = down.shape[-1]
-    h = swiglu_gemv(x, gate_up[:, :inter], gate_up[:, inter:], r.experts.view(-1), top_k)
+    gate, up, idx = gate_up[:, :inter], gate_up[:, inter:], r.experts.view(-1)
     if shared is None:
-        return down_combine(h, down, r.experts, r.weights, top_k)
-    hs = swiglu_gemv(x, shared.gate_proj[None], shared.up_proj[None], None)
+        return down_combine(swiglu_gemv(x, gate, up, idx, top_k), down, r.experts, r.weights, top_k)
+    h, hs = swiglu_gemv_with_shared(x, gate, up, idx, top_k, shared.gate_proj, shared.up_proj)
     return down_combine(h, down, r.experts, r.weights, top_k, shared=(hs, shared.down_proj, r.shared_logit))
 
 

@@ -73,8 +73,10 @@ class Backend(ABC):
     def gated_delta_net(
         self,
         mixed_qkv: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
         conv_weight: torch.Tensor,
         conv_state: torch.Tensor,
         ssm_state: torch.Tensor,
@@ -85,20 +87,17 @@ class Backend(ABC):
     ) -> torch.Tensor:
         """Causal conv + SiLU, then the gated delta rule, carrying per-request state slots.
 
-        mixed_qkv: [T, conv_dim] pre-conv [q | k | v]; g, beta: [T, HV]; conv_state:
-        [slots, conv_dim, K-1]; ssm_state: [slots, HV, Dk, Dv] fp32; dims = (HK, HV, Dk, Dv, K).
+        mixed_qkv: [T, conv_dim] pre-conv [q | k | v]; a, b: [T, G, R] raw gate projections (v-head
+        h at ``[:, h // R, h % R]``, views of the fused projection) and A_log, dt_bias: [HV], from
+        which the op derives g = -exp(A_log) * softplus(a + dt_bias) (fp32) and beta = sigmoid(b)
+        (b's dtype) as ``torch_gdn.gdn_gates``; conv_state: [slots, conv_dim, K-1]; ssm_state:
+        [slots, HV, Dk, Dv] fp32; dims = (HK, HV, Dk, Dv, K).
         Updates the states of ``ctx.state_slots`` in place. Returns [T, HV, Dv]. With
         ``ctx.record_states`` (every request has n tokens) ``ctx.recorded[layer_idx]`` gets the
         conv windows [B, K-1+n, C] and per-token states [B, n, HV, Dk, Dv], written into
         ``record_into`` = (states [>= B*n, ...], windows [>= B, ...]) when given (the engine's
         preallocated verify record), else into new tensors.
         """
-
-    @abstractmethod
-    def gdn_gates(self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """GDN decay / write gates: g = -exp(A_log) * softplus(a + dt_bias) (fp32), beta = sigmoid(b).
-        a, b: [T, G, R] (v-head h at ``[:, h // R, h % R]``); returns g, beta [T, G * R]."""
 
     @abstractmethod
     def moe(
@@ -160,11 +159,6 @@ class TorchBackend(Backend):
 
         return gated_rms_norm(x, gate.reshape(x.shape), weight, eps)
 
-    def gdn_gates(self, a, b, A_log, dt_bias):
-        from wmtp.kernels.torch_gdn import gdn_gates
-
-        return gdn_gates(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1), A_log, dt_bias)
-
     def attention(self, q, k, v, k_cache, v_cache, ctx, scale):
         self.store_kv(k, v, k_cache, v_cache, ctx.write_slots)
         out = torch.empty_like(q)
@@ -193,18 +187,19 @@ class TorchBackend(Backend):
             out[lo : lo + n] = ob.reshape(n, -1, ob.shape[-1]).to(q.dtype)
         return out
 
-    def gated_delta_net(self, mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims,
-                        record_into=None):
-        from wmtp.kernels.torch_gdn import causal_conv1d, gated_delta_rule
+    def gated_delta_net(self, mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, ssm_state, ctx, layer_idx,
+                        dims, record_into=None):
+        from wmtp.kernels.torch_gdn import causal_conv1d, gated_delta_rule, gdn_gates
 
         _, hv, _, dv, _ = dims
+        g, beta = gdn_gates(a.flatten(1), b.flatten(1), A_log, dt_bias)
         out = mixed_qkv.new_empty(mixed_qkv.shape[0], hv, dv)
         windows, all_states = [], []
-        for b, n in enumerate(ctx.q_lens):
+        for req, n in enumerate(ctx.q_lens):
             if n == 0:
                 continue
-            lo = ctx.token_offsets[b]
-            slot = int(ctx.state_slots[b])
+            lo = ctx.token_offsets[req]
+            slot = int(ctx.state_slots[req])
             x = mixed_qkv[lo : lo + n]
             conv_out, new_conv = causal_conv1d(x, conv_weight, conv_state[slot])
             q, k, v = _gdn_heads(conv_out, dims)
@@ -318,13 +313,6 @@ class TritonBackend(TorchBackend):
 
         return rms_norm(x, weight, eps, gate=gate)
 
-    def gdn_gates(self, a, b, A_log, dt_bias):
-        if a.dtype == torch.float64:
-            return super().gdn_gates(a, b, A_log, dt_bias)
-        from wmtp.kernels.gdn import gdn_gates
-
-        return gdn_gates(a, b, A_log, dt_bias)
-
     def capturable_moe(self, num_tokens: int, cfg, dtype: torch.dtype) -> bool:
         """Whether ``moe`` over ``num_tokens`` avoids host syncs (CUDA-graph capture): the pair-wise
         GEMV and the grouped GEMM do; the reference's ``torch.unique`` does not."""
@@ -343,40 +331,44 @@ class TritonBackend(TorchBackend):
             return routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
         return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
 
-    def gated_delta_net(self, mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims,
-                        record_into=None):
-        from wmtp.kernels.gdn import MAX_RECURRENT_TOKENS, conv_update, fla_available, gdn_chunked_fla, gdn_recurrent
+    def gated_delta_net(self, mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, ssm_state, ctx, layer_idx,
+                        dims, record_into=None):
+        from wmtp.kernels.gdn import (MAX_RECURRENT_TOKENS, conv_update, fla_available, gdn_chunked_fla, gdn_gates,
+                                      gdn_recurrent)
         from wmtp.kernels.torch_gdn import causal_conv1d
 
+        gates = (a, b, A_log, dt_bias)
         if mixed_qkv.dtype == torch.float64:
-            return super().gated_delta_net(mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims,
+            return super().gated_delta_net(mixed_qkv, *gates, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims,
                                            record_into)
         if max(ctx.q_lens) > MAX_RECURRENT_TOKENS:  # prefill-sized pieces: chunked form
             if not fla_available(mixed_qkv.device):
-                return super().gated_delta_net(mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims)
+                return super().gated_delta_net(mixed_qkv, *gates, conv_weight, conv_state, ssm_state, ctx, layer_idx,
+                                               dims)
             conv_out = torch.empty_like(mixed_qkv)
-            for b, n in enumerate(ctx.q_lens):
-                lo, slot = ctx.token_offsets[b], ctx.state_slots[b : b + 1]
+            for req, n in enumerate(ctx.q_lens):
+                lo, slot = ctx.token_offsets[req], ctx.state_slots[req : req + 1]
                 conv_out[lo : lo + n], new = causal_conv1d(mixed_qkv[lo : lo + n], conv_weight, conv_state[slot][0])
                 conv_state[slot] = new[None].to(conv_state.dtype)
-            return gdn_chunked_fla(conv_out, g, beta, ssm_state, ctx, dims)
+            return gdn_chunked_fla(conv_out, *gdn_gates(*gates), ssm_state, ctx, dims)
         hk, hv, dk, dv, kernel = dims
         if kernel != 4 or not conv_state.is_contiguous():  # the fused conv is written for Qwen's kernel size 4
-            return super().gated_delta_net(mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims,
+            return super().gated_delta_net(mixed_qkv, *gates, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims,
                                            record_into)
         B, n = len(ctx.q_lens), ctx.q_lens[0]
         if ctx.record_states and any(m != n for m in ctx.q_lens):
             raise ValueError("record_states needs every request to have the same q_len (verify)")
         slots = ctx.state_slots
         _, q_len, tok_off = ctx.device_lens
-        # one launch each for the conv (all requests, state slots updated in place) and the delta rule;
-        # q / k stay k-head views of the conv output (no repeat to the v heads, no copies)
+        # one launch each for the conv (all requests, state slots updated in place) and the delta rule
+        # (gates computed in-kernel); q / k stay k-head views of the conv output (no repeat to the v
+        # heads, no copies)
         rec_states, rec_windows = record_into if record_into is not None else (None, None)
         conv_out, window = conv_update(mixed_qkv, conv_weight, conv_state, slots, tok_off, q_len,
                                        n if ctx.record_states else None, rec_windows)
         q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
         T = conv_out.shape[0]
-        o, states = gdn_recurrent(q.view(T, hk, dk), k.view(T, hk, dk), v.view(T, hv, dv), g, beta, ssm_state, slots,
+        o, states = gdn_recurrent(q.view(T, hk, dk), k.view(T, hk, dk), v.view(T, hv, dv), *gates, ssm_state, slots,
                                   tok_off, q_len, ctx.record_states, rec_states)
         if ctx.record_states:
             ctx.recorded[layer_idx] = (window, states.view(B, n, *states.shape[1:]))

@@ -35,6 +35,14 @@ class PagedSlots:
         pages = self.block_table[req, torch.div(positions, self.page_size, rounding_mode="floor")]
         return pages.long() * self.page_size + positions % self.page_size
 
+    def batch_slots(self, positions: torch.Tensor, num_pages: torch.Tensor, trash: int) -> torch.Tensor:
+        """Slots of ``positions`` [B, n] (row b: request b) on the device, no host values read; a
+        position past the ``num_pages[b]`` pages reserved for request b maps to ``trash`` (an
+        overlapped iteration can run once past a request's end, and table padding is page 0)."""
+        page = torch.div(positions, self.page_size, rounding_mode="floor")
+        pages = self.block_table.gather(1, page.clamp(0, self.block_table.shape[1] - 1)).long()
+        return torch.where(page < num_pages[:, None], pages * self.page_size + positions % self.page_size, trash)
+
 
 @dataclass
 class RingSlots:

@@ -141,10 +141,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         mixed, z, b, a = self._project(x)
-        g, beta = self.backend.gdn_gates(a, b, self.A_log, self.dt_bias)
         core = self.backend.gated_delta_net(
-            mixed, g, beta, self.conv1d.weight.squeeze(1), self.conv_state, self.ssm_state, ctx,
-            self.layer_idx, (self.hk, self.hv, self.dk, self.dv, self.kernel), self.verify_record,
+            mixed, a, b, self.A_log, self.dt_bias, self.conv1d.weight.squeeze(1), self.conv_state, self.ssm_state,
+            ctx, self.layer_idx, (self.hk, self.hv, self.dk, self.dv, self.kernel), self.verify_record,
         )
         core = self.backend.gated_rms_norm(core, z, self.norm.weight, self.norm_eps)
         return self.out_proj(core.reshape(x.shape[0], -1))
