@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from typing import Callable
 
 import torch
@@ -84,7 +85,8 @@ def main() -> None:
         rows.append(sweep("down_combine_shared", lambda **c: down_combine(h, down, i, w, k, shared=shared, **c),
                           (distinct * I + Is) * H * 2, T))
     with open(a.out, "w") as f:
-        json.dump({"kind": "moe_tuning", "hardware": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        json.dump({"kind": "moe_tuning", "hardware": torch.cuda.get_device_name(),
+                   "command": "python benchmarks/tune_moe.py " + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ def test_fla_prefill_matches_reference_gpu(dtype):
     got = TritonBackend().gated_delta_net(**t, ctx=ForwardContext(**ctx), layer_idx=0, dims=dims)
     tol = 2e-3 if dtype == torch.float32 else 3e-2
     assert (got.float() - want.float()).abs().max().item() < tol * max(1.0, want.abs().max().item())
-    assert (t["ssm_state"] - ref["ssm_state"]).abs().max().item() < tol
+    assert (t["ssm_state"] - ref["ssm_state"]).abs().max().item() < tol * max(1.0, ref["ssm_state"].abs().max().item())
     assert torch.equal(t["conv_state"], ref["conv_state"])
 
 

@@ -240,9 +240,10 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch
     Ts, Ns = (T, sg.shape[0]) if shared is not None else (0, N)
     buf = torch.empty(P * N + Ts * Ns, device=x.device, dtype=x.dtype)
     if P + Ts:
-        # 8-row tiles, 8 warps: best on the H200 at 1 and 7 tokens (8 us / 53 us for 8 / 56 pairs of the
-        # 35B shape, vs 40 / 71 us at 32 x 128, 4 warps; benchmarks/tune_moe.py)
-        cfg = {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 8, **launch}
+        # 8 warps; 8 x 256 tiles for a token's 8 pairs, 16 x 128 for a verify's 56: best on the H200
+        # for the 35B shape with the shared rows folded in (9.8 / 52.7 us; tuning/tune_moe_s6.json)
+        tile = (16, 128) if P + Ts >= 32 else (8, 256)
+        cfg = {"BLOCK_N": tile[0], "BLOCK_K": tile[1], "num_warps": 8, **launch}
         _swiglu_gemv_kernel[(P + Ts, triton.cdiv(max(N, Ns), cfg["BLOCK_N"]))](
             x.contiguous(), w_gate, w_up, x if idx is None else idx.contiguous(), sg, su, buf, P, N, Ns, K,
             w_gate.stride(0), w_gate.stride(1), sg.stride(-2), TOP_K=top_k, SINGLE=idx is None, **cfg)
@@ -271,9 +272,10 @@ def down_combine(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, top_w: 
                              f"must be [{T}, Ks], [{N}, Ks] (unit stride on Ks) and [{T}]")
     out = torch.empty(T, N, device=h.device, dtype=h.dtype)
     if T:
-        # the [top_k, BLOCK_N, BLOCK_K] weight tile is held in registers: 8 x 8 x 128 is 64 values a thread
-        # at 4 warps for top_k 8 (BLOCK_K 256 would double it); benchmarks/tune_moe.py sweeps the rest
-        cfg = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, **launch}
+        # the [top_k, BLOCK_N, BLOCK_K] weight tile is held in registers: 8 x 8 x 128 at 8 warps is 32
+        # values a thread for top_k 8; best on the H200 at 1 and 7 tokens (5.1 / 31.0 us, vs 9.2 / 40.2
+        # at 4 warps; tuning/tune_moe_s6.json)
+        cfg = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8, **launch}
         hs, ws, sl = (out, out, out) if shared is None else (shared[0].contiguous(), shared[1], shared[2].float().contiguous())
         _down_combine_kernel[(T, triton.cdiv(N, cfg["BLOCK_N"]))](
             h.contiguous(), down, idx.contiguous(), top_w.float().contiguous(), hs, ws, sl, out,

@@ -56,6 +56,11 @@ class RingSlots:
         positions = positions.to(self.base.device)
         return self.base[req].long() + self.window.ring_slot(positions, self.num_draft_tokens)
 
+    def batch_slots(self, positions: torch.Tensor, num_pages: torch.Tensor | None = None, trash: int = 0) -> torch.Tensor:
+        """``slots`` for ``positions`` [B, n], row b in request b's ring (which every position maps
+        into, so no bound applies: ``num_pages`` and ``trash`` are accepted for a common signature)."""
+        return self.base[:, None].long() + self.window.ring_slot(positions, self.num_draft_tokens)
+
 
 @dataclass
 class ForwardContext:
