@@ -4,9 +4,7 @@ On the CPU it runs uncaptured (``decode_graphs="eager"``, Triton kernels in the 
 GPU the same checks run with real capture. Checked: greedy tokens identical to dense (lossless) with
 batches whose membership changes; with forced acceptance of every k (so rollback and extend cover
 every accepted count) tokens identical to the eager iteration with the same forcing; pools empty
-at the end; host-side bookkeeping (acceptance histograms) identical. The static iterations run
-overlapped (the default: the next launched before the previous one is read) unless a test says
-otherwise; synchronous ones must give the same tokens and histograms.
+at the end; host-side bookkeeping (acceptance histograms) identical.
 """
 
 from __future__ import annotations
@@ -26,10 +24,10 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 GRAPHS = "capture" if ON_GPU else "eager"
 
 
-def _llm(preset: str, mode: str, graphs: str, d: int = 4, backend: str = "triton", overlap: bool = True) -> LLM:
+def _llm(preset: str, mode: str, graphs: str, d: int = 4, backend: str = "triton") -> LLM:
     spec = SpecConfig(mode=mode, num_draft_tokens=d if mode != "dense" else 1, window=8, sink=2)
     return LLM(preset, spec=spec, device=DEVICE, max_model_len=128, max_num_seqs=3, page_size=8, prefill_chunk=32,
-               backend=backend, decode_graphs=graphs, overlap=overlap)
+               backend=backend, decode_graphs=graphs)
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -76,48 +74,6 @@ def test_static_matches_eager_under_forced_acceptance(preset, mode, ks):
             force_acceptance(llm.engine, k)
             runs[graphs] = (_staggered(llm, prompts, lens), llm.engine.metrics.hist)
         assert runs["off"] == runs[GRAPHS], f"{preset} {mode} k={k}: static and eager iterations disagree"
-
-
-@pytest.mark.parametrize("preset,mode", [("tiny-qwen3-next", "windowed"), ("tiny-llama", "dense")])
-def test_overlapped_iterations_match_synchronous(preset, mode):
-    """Overlap changes when tokens are reported, never which: tokens, histograms and iteration
-    counts (the extra iteration run past a request's end is not counted) equal the synchronous
-    static path's, with batches that change and requests that finish mid-batch."""
-    prompts, lens = _prompts(3, seed=3), [6, 11, 3]
-    runs = {}
-    for overlap in (False, True):
-        llm = _llm(preset, mode, GRAPHS, overlap=overlap)
-        runs[overlap] = (_staggered(llm, prompts, lens), llm.engine.metrics.hist, len(llm.engine.metrics.t_iter))
-        assert llm.engine._inflight is None, "an iteration was left in flight after every request finished"
-    assert runs[True] == runs[False]
-
-
-def test_overlapped_steps_report_one_step_later():
-    llm = _llm("tiny-llama", "native", GRAPHS)
-    eng = llm.engine
-    eng.add_request([5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True))
-    eng.step()  # prefill: the first token
-    assert eng.step() == [], "the first overlapped iteration's tokens should come with the next step"
-    assert eng._inflight is not None
-    out = eng.step()
-    assert len(out) == 1 and out[0].new_token_ids, "the previous iteration's tokens were not reported"
-
-
-def test_batch_slots_send_positions_past_the_reservation_to_trash():
-    """An overlapped iteration may run once past a request's end: its positions beyond the pages it
-    reserved must land in the trash slot, never in the zero padding of the block table (page 0)."""
-    from wmtp.engine.window import DraftWindow
-    from wmtp.models.context import PagedSlots, RingSlots
-
-    table = torch.tensor([[3, 1, 0, 0], [2, 0, 0, 0]], dtype=torch.int32)
-    paged = PagedSlots(table, page_size=4)
-    pos = torch.tensor([[6, 7, 8, 9], [2, 3, 4, 5]])
-    slots = paged.batch_slots(pos, torch.tensor([2, 1]), trash=99)
-    assert slots.tolist() == [[6, 7, 99, 99], [10, 11, 99, 99]]
-    ring = RingSlots(torch.tensor([0, 20]), DraftWindow(sink=2, window=4), num_draft_tokens=2)
-    assert ring.batch_slots(pos).tolist() == [[6, 7, 2, 3], [22, 23, 24, 25]]
-    for b in range(2):  # the per-request rule, row by row
-        assert ring.batch_slots(pos)[b].tolist() == ring.slots(b, pos[b]).tolist()
 
 
 def test_sampling_requests_use_the_eager_iteration():

@@ -66,22 +66,12 @@ def hardware_name(device: torch.device | str) -> str:
     return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def _quantiles(times: list[float]) -> tuple[float, float, float]:
-    q = statistics.quantiles(times, n=10)
-    return statistics.median(times), q[0], q[-1]
-
-
 def time_mode(model, mode: str, a: argparse.Namespace, bandwidth: float) -> dict:
-    """T_iter of one mode, two ways on one engine: synchronous iterations (each step timed with the
-    device idle before and after: launch to results) and, with graphs, overlapped ones (the
-    engine's default: the next iteration launched before the previous one's results are read;
-    T_iter is then the period between consecutive iterations' results, as the engine records it).
-    The overlapped figure is the mode's T_iter when it ran."""
     from wmtp.bench.floor import ExpertCounter, step_bytes
     from wmtp.bench.synthetic import add_synthetic_request, force_acceptance, randomize_pools
 
     spec = _spec(mode, a.d, a.window, a.sink)
-    total_iters = 2 * (a.warmup + a.iters) + 6
+    total_iters = a.warmup + a.iters + 4
     max_tokens = total_iters * spec.verify_tokens + 8
     eng = Engine(model, spec, EngineConfig(max_model_len=a.context + max_tokens, max_num_seqs=1, page_size=a.page_size,
                                            decode_graphs=a.decode_graphs))
@@ -92,34 +82,22 @@ def time_mode(model, mode: str, a: argparse.Namespace, bandwidth: float) -> dict
     with eng.eager_iterations(), ExpertCounter(model) as counter:  # the counter syncs: not capturable
         for _ in range(3):
             eng.step()
-    eng.overlap = False
-    sync_times = [_sync_time(eng.step) for _ in range(a.warmup + a.iters)][a.warmup:]
-    overlapped = None
-    if eng.graphs:  # the static path ran: time it overlapped too
-        eng.overlap = True
-        first = len(eng.metrics.t_iter)
-        for _ in range(a.warmup + a.iters + 1):
-            eng.step()
-        torch.cuda.synchronize()
-        overlapped = eng.metrics.t_iter[first:][a.warmup:]
+    times = [_sync_time(eng.step) for _ in range(a.warmup + a.iters)][a.warmup:]
     elt = torch.empty(0, dtype=eng.dtype).element_size()
     sb = step_bytes(model, spec, a.context, counter.mean_distinct(), elt)
     floor = sb.total / bandwidth
+    med = statistics.median(times)
+    q = statistics.quantiles(times, n=10)
     pools = eng.memory.bytes_report()
     del eng
     release_pools(model)
-    times = overlapped or sync_times
-    med, p10, p90 = _quantiles(times)
-    s_med, s_p10, s_p90 = _quantiles(sync_times)
     row = {
-        "mode": mode, "S": a.context, "d": spec.verify_tokens, "B": 1, "forced_accept": k, "overlapped": bool(overlapped),
-        "t_iter_s": [med], "t_iter_p10_s": [p10], "t_iter_p90_s": [p90], "iterations": len(times),
-        "t_iter_sync_s": [s_med], "t_iter_sync_p10_s": [s_p10], "t_iter_sync_p90_s": [s_p90],
+        "mode": mode, "S": a.context, "d": spec.verify_tokens, "B": 1, "forced_accept": k,
+        "t_iter_s": [med], "t_iter_p10_s": [q[0]], "t_iter_p90_s": [q[-1]], "iterations": len(times),
         "floor_s": floor, "floor_bytes": sb.total, "bytes": sb.to_dict(), "t_iter_over_floor": med / floor,
         "pool_bytes": pools,
     }
-    print(f"[{mode:8s}] T_iter median {med * 1e3:8.2f} ms (p10 {p10 * 1e3:.2f}, p90 {p90 * 1e3:.2f}, n={len(times)}, "
-          f"{'overlapped' if overlapped else 'synchronous'}; synchronous {s_med * 1e3:.2f} ms) "
+    print(f"[{mode:8s}] T_iter median {med * 1e3:8.2f} ms (p10 {q[0] * 1e3:.2f}, p90 {q[-1] * 1e3:.2f}, n={len(times)}) "
           f"| floor {floor * 1e3:.2f} ms ({sb.total / 2**30:.2f} GiB) | T_iter/floor {med / floor:.2f}", flush=True)
     return row
 

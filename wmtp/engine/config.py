@@ -74,12 +74,9 @@ class SpecConfig:
 
     def window_for(self, context_len: int) -> DraftWindow | None:
         """The window a request with ``context_len`` committed tokens drafts with (None = all keys)."""
-        return self.draft_window if self.windowed(context_len) else None
-
-    def windowed(self, context_len):
-        """Whether the window applies at ``context_len`` committed tokens: an int, or a tensor of
-        them (elementwise, on its device: the decode graphs stage this without the host)."""
-        return (context_len > self.window_min_context) & (self.mode == "windowed")
+        if self.mode != "windowed" or context_len <= self.window_min_context:
+            return None
+        return self.draft_window
 
 
 @dataclass(frozen=True)
@@ -95,17 +92,12 @@ class EngineConfig:
     # "auto": CUDA graphs for greedy decode iterations on CUDA with the triton backend; "capture"
     # forces them; "eager" runs the same static-buffer path without capturing (tests); "off".
     decode_graphs: str = "auto"
-    # Launch the next greedy static iteration before reading the previous one's results (the host
-    # work of one overlaps the GPU work of the next; tokens are emitted one step later).
-    overlap: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "page_size", "prefill_chunk"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"EngineConfig.{name}={v!r} must be an int >= 1")
-        if not isinstance(self.overlap, bool):
-            raise ConfigError(f"EngineConfig.overlap={self.overlap!r} must be a bool")
         if self.decode_graphs not in ("auto", "capture", "eager", "off"):
             raise ConfigError(f"EngineConfig.decode_graphs={self.decode_graphs!r}; use auto, capture, eager or off")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:

@@ -63,16 +63,6 @@ class Request:
 
 
 @dataclass
-class _InFlight:
-    """A launched static iteration: its requests (row order), graph set, results ticket and launch time."""
-
-    reqs: list[Request]
-    graphs: DecodeGraphs
-    ticket: int
-    t_launch: float
-
-
-@dataclass
 class StepOutput:
     request_id: int
     new_token_ids: list[int]
@@ -104,9 +94,6 @@ class Engine:
         self._graph_mode = self._resolve_graph_mode()
         self._graph_pool = torch.cuda.graph_pool_handle() if self._graph_mode == "capture" else None
         self.phase_timer = None  # benchmark-only PhaseTimer (wmtp/engine/phases.py); None costs nothing
-        self.overlap = eng.overlap  # overlapped static iterations (benchmarks toggle it to compare)
-        self._inflight: _InFlight | None = None  # a launched static iteration whose results are unread
-        self._last_done = 0.0  # when the last iteration's results were read (perf_counter)
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams) -> int:
@@ -163,8 +150,9 @@ class Engine:
         touched = self._prefill_batch(prefilling) if prefilling else []
         seen = {id(r) for r in touched}
         decoding = [r for r in self.running if r.status == Status.DECODE and id(r) not in seen]
-        if decoding or self._inflight is not None:
-            touched += self._decode(decoding)
+        if decoding:
+            self._iteration(decoding)
+            touched += decoding
         outs = []
         for req in touched:
             if req.new_tokens or req.status == Status.FINISHED:
@@ -285,46 +273,10 @@ class Engine:
                 self.model.mtp_forward(ids, hid, ctx)
 
     # ---- one speculative iteration for a batch -------------------------------------------------
-    def _decode(self, reqs: list[Request]) -> list[Request]:
-        """One iteration for the decoding requests; returns the requests whose tokens were emitted.
-
-        Overlapped (greedy batches on the static path, ``overlap`` on): while the batch is the one
-        in flight, the next iteration is launched from the device state before the previous one's
-        results are read, so the GPU never waits for the host; a step then emits the previous
-        iteration's tokens. A request found finished has run one iteration too many, whose output
-        is dropped (its writes stay in its own slots or the trash). Any other change of batch
-        drains the iteration in flight first."""
-        graphs = self._decode_graphs(reqs) if reqs else None
-        prev = self._inflight
-        overlap = graphs is not None and self.overlap and self.phase_timer is None
-        if overlap and prev is not None and prev.graphs is graphs and prev.reqs == reqs:
-            self._inflight = self._launch(reqs, graphs, upload=False)
-            done = self._collect(prev)
-            if all(r.status != Status.DECODE for r in reqs):
-                self._drain()  # nothing left for the iteration just launched
-            return done
-        done = self._drain()
-        live = [r for r in reqs if r.status == Status.DECODE]
-        if not live:
-            return done
-        if done and len(live) != len(reqs):
-            graphs = self._decode_graphs(live)
-        if graphs is None:
-            self._iteration(live)
-            return done + live
-        self._inflight = self._launch(live, graphs, upload=True)
-        if overlap:
-            return done  # live's tokens come with the next step
-        self._drain()
-        return done + live
-
-    def _drain(self) -> list[Request]:
-        """Read the iteration in flight, if any; returns the requests it emitted for."""
-        prev, self._inflight = self._inflight, None
-        return [] if prev is None else self._collect(prev)
-
     def _iteration(self, reqs: list[Request]) -> None:
-        """The eager iteration (sampling requests, hooks, devices without the static path)."""
+        graphs = self._decode_graphs(reqs)
+        if graphs is not None:
+            return self._iteration_static(reqs, graphs)
         t0 = time.perf_counter()
         if (pt := self.phase_timer) is not None:
             pt.start()
@@ -446,17 +398,15 @@ class Engine:
             self.graphs[B] = DecodeGraphs(self, B, capture=self._graph_mode == "capture", pool=self._graph_pool)
         return self.graphs[B]
 
-    def _launch(self, reqs: list[Request], graphs: DecodeGraphs, upload: bool) -> _InFlight:
-        """Queue one static iteration: staging (from the host, or the device state the previous
-        iteration left when ``upload`` is False), the four forwards back to back (acceptance and
-        the extend's inputs on the device), the results' copy to the host."""
+    def _iteration_static(self, reqs: list[Request], graphs: DecodeGraphs) -> None:
+        """``_iteration`` for greedy batches, from static buffers: one upload, the four forwards
+        back to back (acceptance and the extend's inputs on the device), one host sync for the
+        results, then emission on the host."""
         t0 = time.perf_counter()
         if (pt := self.phase_timer) is not None:
             pt.start()
-        if upload:
-            graphs.prepare(reqs, self.forced_accept)
-        else:
-            graphs.carry_over()
+        lens = [len(r.tokens) for r in reqs]
+        graphs.prepare(reqs, lens, self.forced_accept)
         if self.spec.gamma:
             graphs.run("chain")
             if pt is not None:
@@ -471,28 +421,14 @@ class Engine:
             graphs.run("extend")
             if pt is not None:
                 pt.mark("draft_ctx")
-        return _InFlight(list(reqs), graphs, graphs.fetch(), t0)
-
-    def _collect(self, it: _InFlight) -> list[Request]:
-        """Read a launched iteration's results (its one host sync) and emit for the requests still
-        decoding (returned). T_iter runs from its launch, or from the previous iteration's end when it was
-        launched before that (overlapped): the steady-state time per iteration."""
-        drafts, target, accepted, d1 = it.graphs.results(it.ticket)
-        live = []
-        for b, r in enumerate(it.reqs):
-            if r.status != Status.DECODE:
-                continue  # finished (or aborted) after this iteration was launched
+        drafts, target, accepted, d1 = graphs.results()
+        for b, r in enumerate(reqs):
             a = accepted[b]
-            live.append((r, a))
             if self._emit(r, drafts[b][:a] + [target[b][a]]) and self.spec.gamma:
-                r.draft_token, r.draft_q, r.draft_hidden = d1[b], None, it.graphs.next_hidden[b : b + 1]
-        if (pt := self.phase_timer) is not None:
+                r.draft_token, r.draft_q, r.draft_hidden = d1[b], None, graphs.next_hidden[b : b + 1]
+        if pt is not None:
             pt.mark("verify_ovh")  # emission and metrics (host, after the sync)
-        start = max(it.t_launch, self._last_done)
-        self._last_done = time.perf_counter()
-        if live:
-            self._record_iteration([r for r, _ in live], [a for _, a in live], start)
-        return [r for r, _ in live]
+        self._record_iteration(reqs, accepted, t0)
 
     # ---- draft helpers -------------------------------------------------------------------------
     def _set_draft(self, req: Request, mtp_out: torch.Tensor) -> None:

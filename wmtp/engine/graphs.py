@@ -17,20 +17,15 @@ round trip between them:
 
 Dense mode (γ = 0) has only ``verify``, with d = 1.
 
-Invariants: the iteration's inputs are each row's committed length L and last token x_{L-1} (plus
-its state slot and the forced count), in one static staging buffer; the first forward derives every
-position and slot from L on the device (``_stage``) and the last advances L and x_{L-1} by the
-accepted count (``_advance``). So an iteration needs the host only when the batch changes (then one
-host-to-device copy of the staging buffer); otherwise the next one can be launched before the
-previous one's results are read (the engine's overlapped iterations). Results (drafts, target
-argmax, accepted counts, next d_1) come back in one device-to-host copy into one of two pinned
-buffers, so an iteration in flight never overwrites results not yet read. Captured code reads no
-host value that changes between replays; host work per iteration is O(B·d), whatever the context
-length (block-table rows are copied only when the batch's requests change). Positions past a
-request's reserved pages map to the trash slot: an overlapped iteration may run once past a
-request's end, and its writes stay in its own ring / state slot or the trash. Requests released
-while an iteration is in flight are safe by stream order. With ``capture=False`` the same
-functions run eagerly (CPU tests): a replay is then a call.
+Invariants: every per-iteration input sits in static device buffers that the host fills with one
+host-to-device copy before ``chain`` (everything the iteration needs is known then: the extend's
+slots are staged for all d positions and masked on the device by the accepted count); the results
+(drafts, target argmax, accepted counts, next d_1) come back in one device-to-host copy after
+``extend``: one host sync per iteration. Captured code reads no host value that changes between
+replays; host work per iteration is O(B·d), whatever the context length (block-table rows are
+copied only when the batch's requests change). A request that finishes in an iteration has its
+accept / extend writes land in its own slots before the host releases them (stream order).
+With ``capture=False`` the same functions run eagerly (CPU tests): a replay is then a call.
 """
 
 from __future__ import annotations
@@ -87,20 +82,15 @@ class DecodeGraphs:
         self.gamma, self.d = spec.gamma, spec.verify_tokens
         dev, B, d, g = engine.device, batch, self.d, max(self.gamma - 1, 0)
         mem = engine.memory
-        self.stage = _Staging({"length": (B,), "ver_x": (B,), "state": (B,), "forced": (B,)}, dev)
-        # derived from L on the device by _stage (one buffer, viewed per field)
-        shapes = {"chain_pos": (g, B), "chain_slot": (g, B), "windowed": (B,), "ver_pos": (B, d), "ver_slot": (B, d),
-                  "ver_start": (B,), "ext_slot": (B, d)}
-        flat = torch.zeros(sum(math.prod(v) for v in shapes.values()), dtype=torch.int64, device=dev)
-        self.derived = dict(zip(shapes, (t.view(shapes[k]) for k, t in
-                                         zip(shapes, flat.split([math.prod(v) for v in shapes.values()])))))
+        self.stage = _Staging({
+            "chain_pos": (g, B), "chain_slot": (g, B), "windowed": (B,), "ver_pos": (B, d), "ver_slot": (B, d),
+            "ver_x": (B,), "ver_start": (B,), "state": (B,), "ext_slot": (B, d), "forced": (B,),
+        }, dev)
         max_pages = mem.pages_for(engine.eng.max_model_len + spec.num_draft_tokens)
         self.target_table = torch.zeros(B, max_pages, dtype=torch.int32, device=dev)
         self.ring = spec.uses_ring
         self.draft_table = (torch.zeros(B, 1, dtype=torch.int64, device=dev) if self.ring
                             else torch.zeros(B, max_pages, dtype=torch.int32, device=dev))
-        self.num_pages = torch.zeros(2, B, dtype=torch.int64, device=dev)  # reserved pages per row: target, draft
-        self.steps = torch.arange(1, max(self.gamma, 1), device=dev)[:, None]  # draft step i = 1..γ-1
         self.hidden_in = torch.zeros(B, cfg.hidden_size, device=dev, dtype=engine.dtype)
         # results, packed for one copy to the host: drafts [B, γ] | target [B, d] | accepted | next d_1
         g1 = max(self.gamma, 1)
@@ -114,10 +104,7 @@ class DecodeGraphs:
         self.ext_len = torch.zeros(B, dtype=torch.int64, device=dev)
         self.cols = torch.arange(d, device=dev)
         self.trash_draft = torch.tensor(mem.trash_draft_slot, device=dev)
-        pin = dev.type == "cuda"
-        self.out_host = [torch.zeros(self.out.shape, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self.out_ready = [torch.cuda.Event() if pin else None for _ in range(2)]
-        self.launches = 0  # iterations launched: the parity picks the results buffer
+        self.out_host = torch.zeros(self.out.shape, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self.rows: list[int] = []  # ids of the requests whose tables are loaded, in row order
         self._build_contexts()
         self._fill_safe()
@@ -155,62 +142,38 @@ class DecodeGraphs:
         sink, win = (windows[0].sink, windows[0].window) if windows else (0, 1)
         table = kv.base.view(-1, 1) if self.ring and not target else kv.block_table
         ctx.backend_cache["attention_meta"] = AttentionMeta(
-            lens[0], lens[1], lens[2], self.derived["windowed"] if windows else torch.zeros_like(lens[1]),
+            lens[0], lens[1], lens[2], self.stage.view("windowed") if windows else torch.zeros_like(lens[1]),
             table, 1 if (self.ring and not target) else eng.eng.page_size, self.ring and not target, sink, win,
             (win + spec.num_draft_tokens) if self.ring and not target else 1, q_len, keys, may_window=windows is not None)
         return ctx
 
     def _build_contexts(self) -> None:
-        a = self.derived
-        self.ver_ctx = self._ctx(self.d, a["ver_pos"], a["ver_slot"], self._lens(a["ver_start"], self.d),
+        a = self.stage
+        self.ver_ctx = self._ctx(self.d, a.view("ver_pos"), a.view("ver_slot"), self._lens(a.view("ver_start"), self.d),
                                  target=True, record=self.gamma > 0)
         self.ver_ids = torch.zeros(self.B, self.d, dtype=torch.int64, device=self.eng.device)
         if not self.gamma:
             return
-        self.chain_ctx = [self._ctx(1, a["chain_pos"][i], a["chain_slot"][i], self._lens(a["chain_pos"][i], 1),
-                                    target=False)
+        self.chain_ctx = [self._ctx(1, a.view("chain_pos")[i], a.view("chain_slot")[i],
+                                    self._lens(a.view("chain_pos")[i], 1), target=False)
                           for i in range(self.gamma - 1)]
-        self.ext_ctx = self._ctx(self.d, a["ver_pos"], self.ext_slot, self._lens(a["ver_start"], self.ext_len),
-                                 target=False)
+        self.ext_ctx = self._ctx(self.d, a.view("ver_pos"), self.ext_slot,
+                                 self._lens(a.view("ver_start"), self.ext_len), target=False)
 
     def _fill_safe(self) -> None:
-        """Point every write at the trash slots (warm-up and capture run the forwards once): no
-        reserved pages, length 1, the trash state slot."""
-        B = self.B
-        self.stage.set("length", [1] * B)
-        self.stage.set("state", [self.eng.memory.trash_state_slot] * B)
+        """Point every write at the trash slots (warm-up and capture run the forwards once)."""
+        mem, B, d = self.eng.memory, self.B, self.d
+        self.stage.set("chain_slot", [mem.trash_draft_slot] * (max(self.gamma - 1, 0) * B))
+        self.stage.set("ver_slot", [mem.trash_kv_slot] * (B * d))
+        self.stage.set("state", [mem.trash_state_slot] * B)
+        self.stage.set("ext_slot", [mem.trash_draft_slot] * (B * d))
         self.stage.set("forced", [-1] * B)
         self.stage.upload()
-
-    # ---- positions and slots from L, on the device ----------------------------------------------
-    def _stage(self) -> None:
-        """Every row's positions and slots for this iteration from its committed length L: verify
-        positions L-1..L-2+d, draft step i at L-2+i, the extend at the verify positions."""
-        L, a, mem = self.stage.view("length"), self.derived, self.eng.memory
-        ver_pos = L[:, None] - 1 + self.cols
-        a["ver_pos"].copy_(ver_pos)
-        a["ver_start"].copy_(L - 1)
-        a["ver_slot"].copy_(self.ver_ctx.kv_slots.batch_slots(ver_pos, self.num_pages[0], mem.trash_kv_slot))
-        a["windowed"].copy_(self.eng.spec.windowed(L))
-        if self.gamma:
-            draft = self.ext_ctx.kv_slots
-            a["ext_slot"].copy_(draft.batch_slots(ver_pos, self.num_pages[1], mem.trash_draft_slot))
-            if self.gamma > 1:
-                chain_pos = L[None, :] - 2 + self.steps  # [γ-1, B]
-                a["chain_pos"].copy_(chain_pos)
-                a["chain_slot"].copy_(draft.batch_slots(chain_pos.T, self.num_pages[1], mem.trash_draft_slot).T)
-
-    def _advance(self, accepted: torch.Tensor | None) -> None:
-        """L += accepted + 1 and x_{L-1} = the bonus token: the next iteration's inputs."""
-        a = torch.zeros_like(self.stage.view("length")) if accepted is None else accepted
-        self.stage.view("ver_x").copy_(self.target.gather(1, a[:, None])[:, 0])
-        self.stage.view("length").add_(a + 1)
 
     # ---- the forwards (captured once; they only read and write static buffers) ----------------
     @torch.no_grad()
     def _chain(self) -> None:
         model = self.eng.model
-        self._stage()
         ids, hid = self.next_d1, self.hidden_in
         self.drafts[:, 0] = ids
         for i, ctx in enumerate(self.chain_ctx, start=1):
@@ -221,16 +184,12 @@ class DecodeGraphs:
     @torch.no_grad()
     def _verify(self) -> None:
         model = self.eng.model
-        if not self.gamma:  # dense: verify is the whole iteration
-            self._stage()
         self.ver_ids[:, 0] = self.stage.view("ver_x")
         if self.gamma:
             self.ver_ids[:, 1:] = self.drafts
         hidden = model(self.ver_ids.view(-1), self.ver_ctx)
         self.ver_hidden.copy_(hidden)
         self.target.copy_(model.compute_logits(hidden).argmax(-1).view(self.B, self.d))
-        if not self.gamma:
-            self._advance(None)
 
     @torch.no_grad()
     def _accept(self) -> None:
@@ -251,13 +210,12 @@ class DecodeGraphs:
         bonus = self.target.gather(1, a[:, None])
         drafts = torch.nn.functional.pad(self.drafts, (0, d - self.gamma))
         self.ext_ids.copy_(torch.where(self.cols < a[:, None], drafts, torch.where(self.cols == a[:, None], bonus, 0)))
-        self.ext_slot.copy_(torch.where(self.cols <= a[:, None], self.derived["ext_slot"], self.trash_draft))
+        self.ext_slot.copy_(torch.where(self.cols <= a[:, None], self.stage.view("ext_slot"), self.trash_draft))
         self.ext_len.copy_(a + 1)
         out = model.mtp_forward(self.ext_ids.view(-1), self.ver_hidden, self.ext_ctx)
         last = out[torch.arange(self.B, device=a.device) * d + a]
         self.next_hidden.copy_(last)
         self.next_d1.copy_(model.compute_logits(last).argmax(-1))
-        self._advance(a)
 
     def _capture(self, fn: Callable[[], None], pool) -> Callable[[], None]:
         stream = torch.cuda.Stream()
@@ -272,23 +230,18 @@ class DecodeGraphs:
 
     # ---- host side of one iteration ------------------------------------------------------------
     def _load_rows(self, reqs: list[Request]) -> None:
-        """Copy block-table rows (and reserved page counts) when the batch changed, and the
-        requests' draft state (d_1 and the MTP output) unless the previous iteration's extend left
-        it in ``next_d1`` / ``next_hidden``."""
+        """Copy block-table rows when the batch changed, and the requests' draft state (d_1 and the
+        MTP output) unless the previous iteration's extend left it in ``next_d1`` / ``next_hidden``."""
         ids = [r.id for r in reqs]
         if ids != self.rows:
             self.target_table.zero_()
-            pages = [[0] * self.B, [0] * self.B]
             for b, r in enumerate(reqs):
                 row = r.page_rows[0]
                 self.target_table[b, : row.numel()] = row
-                pages[0][b] = row.numel()
                 if self.ring:
                     self.draft_table[b, 0] = self.eng._ring_base(r)
                 elif self.gamma:
                     self.draft_table[b, : r.page_rows[1].numel()] = r.page_rows[1]
-                    pages[1][b] = r.page_rows[1].numel()
-            self.num_pages.copy_(torch.tensor(pages))
             self.rows = ids
         if not self.gamma:
             return
@@ -298,45 +251,46 @@ class DecodeGraphs:
         else:
             self.hidden_in.copy_(self.next_hidden)
 
-    def prepare(self, reqs: list[Request], forced: int | None) -> None:
-        """Stage a batch from the host: rows, each request's committed length L and last token, its
-        state slot and ``forced`` (accept exactly this many drafts, benchmark-only). Call only with
-        no iteration of this set in flight (the staging copy reuses one pinned buffer)."""
+    def _draft_slot(self, req: Request, pos: int) -> int:
+        spec = self.eng.spec
+        if self.ring:
+            return self.eng._ring_base(req) + spec.draft_window.ring_slot(pos, spec.num_draft_tokens)
+        return _paged_slot(req.alloc.draft_pages, pos, self.eng.eng.page_size)
+
+    def prepare(self, reqs: list[Request], lens: list[int], forced: int | None) -> None:
+        """Stage everything the iteration needs (L = committed tokens; ``forced``: accept exactly
+        this many drafts, benchmark-only)."""
         self._load_rows(reqs)
-        a = self.stage
-        a.set("length", [len(r.tokens) for r in reqs])
+        a, eng, d, page = self.stage, self.eng, self.d, self.eng.eng.page_size
+        chain_pos = [L - 2 + i for i in range(1, self.gamma) for L in lens]
+        a.set("chain_pos", chain_pos)
+        a.set("chain_slot", [self._draft_slot(reqs[j % self.B], p) for j, p in enumerate(chain_pos)])
+        a.set("windowed", [eng.spec.window_for(L) is not None for L in lens])
+        ver_pos = [L - 1 + j for L in lens for j in range(d)]
+        a.set("ver_pos", ver_pos)
+        a.set("ver_slot", [_paged_slot(reqs[i // d].alloc.pages, p, page) for i, p in enumerate(ver_pos)])
         a.set("ver_x", [r.tokens[-1] for r in reqs])
-        a.set("forced", [-1 if forced is None else forced] * self.B)
-        if self.eng.model.config.is_hybrid:
+        a.set("ver_start", [L - 1 for L in lens])
+        if self.gamma:
+            a.set("ext_slot", [self._draft_slot(reqs[i // d], p) for i, p in enumerate(ver_pos)])
+            a.set("forced", [-1 if forced is None else forced] * self.B)
+        if eng.model.config.is_hybrid:
             a.set("state", [r.alloc.state_slot for r in reqs])
         a.upload()
-
-    def carry_over(self) -> None:
-        """Stage the next iteration of the same batch from the previous one's device state alone."""
-        if self.gamma:
-            self.hidden_in.copy_(self.next_hidden)
 
     def run(self, name: str) -> None:
         """Replay (or, uncaptured, call) one of the forwards."""
         self.graphs[name]()
 
-    def fetch(self) -> int:
-        """Queue the copy of this iteration's results to the host; returns the ticket ``results``
-        takes. Two buffers alternate, so one iteration may be in flight while the previous one's
-        results are read."""
-        k = self.launches % 2
-        self.launches += 1
-        self.out_host[k].copy_(self.out, non_blocking=self.out_ready[k] is not None)
-        if self.out_ready[k] is not None:
-            self.out_ready[k].record()
-        return k
-
-    def results(self, ticket: int) -> tuple[list[list[int]], list[list[int]], list[int], list[int]]:
-        """(drafts [B][γ], target argmax [B][d], accepted [B], next d_1 [B]) of the iteration
-        ``fetch`` gave ``ticket``, waiting for it (dense mode: accepted 0, no drafts)."""
-        if self.out_ready[ticket] is not None:
-            self.out_ready[ticket].synchronize()
-        rows = self.out_host[ticket].tolist()
+    def results(self) -> tuple[list[list[int]], list[list[int]], list[int], list[int]]:
+        """(drafts [B][γ], target argmax [B][d], accepted [B], next d_1 [B]) on the host: the
+        iteration's one sync (dense mode: accepted 0, no drafts)."""
+        self.out_host.copy_(self.out)
+        rows = self.out_host.tolist()
         g1, d = max(self.gamma, 1), self.d
         return ([r[: self.gamma] for r in rows], [r[g1 : g1 + d] for r in rows], [r[g1 + d] for r in rows],
                 [r[g1 + d + 1] for r in rows])
+
+
+def _paged_slot(pages: list[int], pos: int, page_size: int) -> int:
+    return pages[pos // page_size] * page_size + pos % page_size

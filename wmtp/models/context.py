@@ -35,14 +35,6 @@ class PagedSlots:
         pages = self.block_table[req, torch.div(positions, self.page_size, rounding_mode="floor")]
         return pages.long() * self.page_size + positions % self.page_size
 
-    def batch_slots(self, positions: torch.Tensor, num_pages: torch.Tensor, trash: int) -> torch.Tensor:
-        """Slots of ``positions`` [B, n] (row b: request b) on the device, no host values read; a
-        position past the ``num_pages[b]`` pages reserved for request b maps to ``trash`` (an
-        overlapped iteration can run once past a request's end, and table padding is page 0)."""
-        page = torch.div(positions, self.page_size, rounding_mode="floor")
-        pages = self.block_table.gather(1, page.clamp(0, self.block_table.shape[1] - 1)).long()
-        return torch.where(page < num_pages[:, None], pages * self.page_size + positions % self.page_size, trash)
-
 
 @dataclass
 class RingSlots:
@@ -55,11 +47,6 @@ class RingSlots:
     def slots(self, req: int, positions: torch.Tensor) -> torch.Tensor:
         positions = positions.to(self.base.device)
         return self.base[req].long() + self.window.ring_slot(positions, self.num_draft_tokens)
-
-    def batch_slots(self, positions: torch.Tensor, num_pages: torch.Tensor | None = None, trash: int = 0) -> torch.Tensor:
-        """``slots`` for ``positions`` [B, n], row b in request b's ring (which every position maps
-        into, so no bound applies: ``num_pages`` and ``trash`` are accepted for a common signature)."""
-        return self.base[:, None].long() + self.window.ring_slot(positions, self.num_draft_tokens)
 
 
 @dataclass
