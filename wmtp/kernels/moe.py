@@ -241,7 +241,8 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch
     buf = torch.empty(P * N + Ts * Ns, device=x.device, dtype=x.dtype)
     if P + Ts:
         # 8 warps; 8 x 256 tiles for a token's 8 pairs, 16 x 128 for a verify's 56: best on the H200
-        # for the 35B shape with the shared rows folded in (9.8 / 52.7 us; tuning/tune_moe_s6.json)
+        # for the 35B shape with the shared rows folded in (9.8 / 52.7 us;
+        # benchmarks/results/h200/tuning/tune_moe_s6.json)
         tile = (16, 128) if P + Ts >= 32 else (8, 256)
         cfg = {"BLOCK_N": tile[0], "BLOCK_K": tile[1], "num_warps": 8, **launch}
         _swiglu_gemv_kernel[(P + Ts, triton.cdiv(max(N, Ns), cfg["BLOCK_N"]))](
@@ -274,7 +275,7 @@ def down_combine(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, top_w: 
     if T:
         # the [top_k, BLOCK_N, BLOCK_K] weight tile is held in registers: 8 x 8 x 128 at 8 warps is 32
         # values a thread for top_k 8; best on the H200 at 1 and 7 tokens (5.1 / 31.0 us, vs 9.2 / 40.2
-        # at 4 warps; tuning/tune_moe_s6.json)
+        # at 4 warps; benchmarks/results/h200/tuning/tune_moe_s6.json)
         cfg = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8, **launch}
         hs, ws, sl = (out, out, out) if shared is None else (shared[0].contiguous(), shared[1], shared[2].float().contiguous())
         _down_combine_kernel[(T, triton.cdiv(N, cfg["BLOCK_N"]))](
