@@ -84,8 +84,8 @@ def test_swiglu_gemv_matches_reference():
     xs = x.repeat_interleave(2, dim=0)
     want = torch.nn.functional.silu(torch.einsum("pnk,pk->pn", w[idx, :40], xs)) * torch.einsum("pnk,pk->pn", w[idx, 40:], xs)
     assert torch.allclose(swiglu_gemv(x, w[:, :40], w[:, 40:], idx, 2), want, atol=1e-4)
-    # one fixed expert (the shared expert path)
-    single = swiglu_gemv(x, w[2:3, :40], w[2:3, 40:], None)
+    # one expert for every token
+    single = swiglu_gemv(x, w[2:3, :40], w[2:3, 40:], torch.zeros(3, dtype=torch.long, device=DEVICE))
     assert torch.allclose(single, torch.nn.functional.silu(x @ w[2, :40].T) * (x @ w[2, 40:].T), atol=1e-4)
 
 

@@ -76,14 +76,14 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_gemv_kernel(X, WG, WU, IDX, SG, SU, OUT, P, N, NS, K, stride_we, stride_wn, stride_sn,
-                            TOP_K: tl.constexpr, SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         p = tl.program_id(0)
         nb = tl.program_id(1)
         # rows p < P: routed pair p (expert idx[p], token p // TOP_K) into OUT[:P*N] as [P, N]; rows
         # p >= P: the shared expert for token p - P into OUT[P*N:] as [T, NS]. Selected by value,
         # not by branching, so both kinds of program run the same loop.
         sh = p >= P
-        e = 0 if SINGLE else tl.load(IDX + p, mask=p < P, other=0).to(tl.int64)
+        e = tl.load(IDX + p, mask=p < P, other=0).to(tl.int64)
         wg = tl.where(sh, SG, WG + e * stride_we)
         wu = tl.where(sh, SU, WU + e * stride_we)
         tok = tl.where(sh, p - P, p // TOP_K)
@@ -190,11 +190,11 @@ def _check_experts(name: str, x: torch.Tensor, w: torch.Tensor, k_dim: int) -> N
                          f"(x {tuple(x.shape)})")
 
 
-def swiglu_gemv(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, idx: torch.Tensor | None,
+def swiglu_gemv(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, idx: torch.Tensor,
                 top_k: int = 1, **launch) -> torch.Tensor:
     """``silu(w_gate[idx[p]] @ x[p // top_k]) * (w_up[idx[p]] @ x[p // top_k])`` for every pair p.
     x [T, K]; w_gate, w_up [E, N, K] (same strides; views of one packed tensor are fine); idx
-    [T * top_k] or None (one expert, E = 1). Returns [T * top_k, N] in x's dtype.
+    [T * top_k]. Returns [T * top_k, N] in x's dtype.
     ``launch`` overrides BLOCK_N / BLOCK_K / num_warps / num_stages (``benchmarks/tune_moe.py``)."""
     return _swiglu_launch("swiglu_gemv", x, w_gate, w_up, idx, top_k, None, launch)[0]
 
@@ -221,7 +221,7 @@ def _check_shared_swiglu(name: str, w_gate: torch.Tensor, sg: torch.Tensor, su: 
                          f"its strides and dtype")
 
 
-def _swiglu_launch(name: str, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, idx: torch.Tensor | None,
+def _swiglu_launch(name: str, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, idx: torch.Tensor,
                    top_k: int, shared: tuple[torch.Tensor, torch.Tensor] | None,
                    launch: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Checks and launches ``_swiglu_gemv_kernel`` over the P routed rows and, with ``shared``, the T
@@ -231,7 +231,7 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch
     if w_up.shape != w_gate.shape or w_up.stride() != w_gate.stride():
         raise ValueError(f"{name}: w_up {tuple(w_up.shape)} must match w_gate {tuple(w_gate.shape)} and its strides")
     P = T * top_k
-    if idx is not None and idx.shape != (P,):
+    if idx.shape != (P,):
         raise ValueError(f"{name}: idx {tuple(idx.shape)} must be [{P}] (tokens x top_k)")
     N = w_gate.shape[1]
     if shared is not None:
@@ -246,8 +246,8 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch
         tile = (16, 128) if P + Ts >= 32 else (8, 256)
         cfg = {"BLOCK_N": tile[0], "BLOCK_K": tile[1], "num_warps": 8, **launch}
         _swiglu_gemv_kernel[(P + Ts, triton.cdiv(max(N, Ns), cfg["BLOCK_N"]))](
-            x.contiguous(), w_gate, w_up, x if idx is None else idx.contiguous(), sg, su, buf, P, N, Ns, K,
-            w_gate.stride(0), w_gate.stride(1), sg.stride(-2), TOP_K=top_k, SINGLE=idx is None, **cfg)
+            x.contiguous(), w_gate, w_up, idx.contiguous(), sg, su, buf, P, N, Ns, K,
+            w_gate.stride(0), w_gate.stride(1), sg.stride(-2), TOP_K=top_k, **cfg)
     return buf[:P * N].view(P, N), None if shared is None else buf[P * N:].view(T, Ns)
 
 
