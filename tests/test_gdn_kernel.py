@@ -191,16 +191,18 @@ def test_bf16_35b_shape_gpu():
     assert (t["ssm_state"] - ref["ssm_state"]).abs().max().item() < 1e-3
 
 
-@pytest.mark.parametrize("q_lens,record", [([1, 4, 2], False), ([3, 3], True), ([1], True)])
-def test_conv_update_matches_causal_conv1d(q_lens, record):
+@pytest.mark.parametrize("q_lens,record,strided", [([1, 4, 2], False, False), ([3, 3], True, False), ([1], True, False),
+                                                   ([2, 2], True, True)])
+def test_conv_update_matches_causal_conv1d(q_lens, record, strided):
     """The fused decode conv (all requests in one launch, state slots updated in place, rollback
-    windows recorded) against the reference conv per request."""
+    windows recorded) against the reference conv per request; ``strided``: x is a column view of a
+    wider packed projection output, read in place."""
     from wmtp.kernels.gdn import conv_update
     from wmtp.kernels.torch_gdn import causal_conv1d
 
     g = torch.Generator().manual_seed(len(q_lens))
     C, T = 40, sum(q_lens)  # C not a multiple of the channel block
-    x = torch.randn(T, C, generator=g).to(DEVICE)
+    x = torch.randn(T, C + 9 * strided, generator=g).to(DEVICE)[:, :C]
     w = torch.randn(C, 4, generator=g).to(DEVICE)
     state = torch.randn(5, C, 3, generator=g).to(DEVICE)
     slots = torch.tensor([4, 1, 2][: len(q_lens)], device=DEVICE)
@@ -245,3 +247,28 @@ def test_gates_kernel_matches_reference(layout):
     assert torch.allclose(got_g, want_g, atol=1e-5, rtol=1e-5) and torch.allclose(got_beta, want_beta, atol=1e-6)
     with pytest.raises(ValueError, match="gdn_gates"):
         gdn_gates(a, b, A_log[:-1], dt_bias)
+
+
+@pytest.mark.parametrize("dtype,dv", [(torch.float32, 8), (torch.bfloat16, 64)])
+def test_rollback_kernel_matches_reference(dtype, dv):
+    """The one-launch rollback (recorded state after each request's accepted token straight into
+    its slot, conv windows too, every layer) against the reference gather / scatter; other slots
+    untouched. dv 64 spans two state blocks per request."""
+    from wmtp.kernels.gdn import rollback_states
+    from wmtp.kernels.torch_gdn import rollback_states as reference
+
+    g = torch.Generator().manual_seed(dv)
+    L, slots_n, B, n, HV, DK, C, km1 = 3, 6, 2, 4, 2, 32, 40, 3
+    conv = torch.randn(L, slots_n, C, km1, generator=g).to(DEVICE, dtype)
+    ssm = torch.randn(L, slots_n, HV, DK, dv, generator=g).to(DEVICE)
+    rec = torch.randn(L, B * n + 1, HV, DK, dv, generator=g).to(DEVICE)  # one spare row, as the pool's
+    win = torch.randn(L, B + 1, km1 + n, C, generator=g).to(DEVICE, dtype)
+    slots = torch.tensor([4, 1], device=DEVICE)
+    accepted = torch.tensor([3, 0], device=DEVICE)
+    want_conv, want_ssm = conv.clone(), ssm.clone()
+    reference(want_conv, want_ssm, rec, win, slots, accepted, n)
+    rollback_states(conv, ssm, rec, win, slots, accepted, n)
+    assert torch.equal(ssm, want_ssm) and torch.equal(conv, want_conv)
+    assert torch.equal(ssm[:, 4], rec[:, 3]) and torch.equal(ssm[:, 1], rec[:, n])  # rows b * n + a
+    with pytest.raises(ValueError, match="rollback_states: conv"):
+        rollback_states(conv, ssm, rec[:, :B * n - 1], win, slots, accepted, n)

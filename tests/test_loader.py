@@ -395,7 +395,7 @@ def test_attach_mtp_head(ckpt: Callable[..., Path], tmp_path: Path) -> None:
     shutil.copy(head, d / MTP_FILE)
     with_head = wmtp.load_model(str(d))
     assert with_head.mtp is not None and with_head.config.num_nextn_predict_layers == 1
-    written, state = load_file(head), with_head.state_dict()
+    written, state = load_file(head), checkpoint_state(with_head)  # under checkpoint names (q/k/v apart)
     assert {k for k in state if k.startswith("mtp.")} == written.keys()
     for name, t in written.items():
         assert torch.equal(state[name], t), name

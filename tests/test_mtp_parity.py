@@ -9,6 +9,7 @@ import torch
 
 import wmtp
 from tests.helpers import max_abs_diff, scramble_
+from wmtp.models.loader import unpacked_state_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,7 +55,7 @@ def _reference_mtp_logits(model, ids: torch.Tensor, hidden: torch.Tensor) -> tor
     else:  # DeepSeek form: everything on mtp.layers[0]
         ours_layer = head.layers[0]
         proj, e_norm, h_norm, out_norm = ours_layer.eh_proj, ours_layer.enorm, ours_layer.hnorm, ours_layer.shared_head.norm
-    block_state = {k: v for k, v in ours_layer.state_dict().items()
+    block_state = {k: v for k, v in unpacked_state_dict(ours_layer).items()
                    if not k.startswith(("enorm", "hnorm", "eh_proj", "shared_head"))}
     missing, unexpected = layer.load_state_dict(block_state, strict=False)
     assert not unexpected and not [k for k in missing if "rotary" not in k], (missing, unexpected)

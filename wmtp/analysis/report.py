@@ -5,7 +5,7 @@ Input schema (full description in ``wmtp/analysis/SCHEMA.md``). Each ``*.json`` 
 "rows": [...]}``; times are seconds (``*_s``), list-valued fields hold one value per independent run
 and the report computes mean and 95% Student-t CIs itself. Kinds and their row fields:
 
-- ``step``: mode, S, d, B, t_iter_s[], t_iter_p10_s[]?, t_iter_p90_s[]?, floor_s?, floor_bytes?, al[]?
+- ``step``: mode, S, d, B, t_iter_s[], t_iter_p10_s[]?, t_iter_p90_s[]?, t_iter_sync_s[]?, floor_s?, floor_bytes?, al[]?
 - ``context_sweep``: mode, S, d, t_iter_s[]                                   (paper Fig. 3)
 - ``depth_sweep``: mode, d, S, t_iter_s[]; meta.fit_d = [lo, hi]?             (paper Table 6)
 - ``phases``: mode, d, S, t_verify_base_s[], t_verify_ovh_s[], t_draft_ctx_s[],
@@ -253,11 +253,18 @@ def section_step(rep: Report, f: ResultFile) -> None:
         floor = r.get("floor_s")
         al = mean_ci(r["al"]) if r.get("al") else None
         tpot = ratio_ci(r["t_iter_s"], r["al"]) if al else None
+        sync = mean_ci(r["t_iter_sync_s"]) if r.get("t_iter_sync_s") else None
         rows.append([r["mode"], r["S"], r["d"], r["B"], fmt_ci(t, 1e3),
                      fmt_ci(mean_ci(r.get("t_iter_p10_s") or []), 1e3), fmt_ci(mean_ci(r.get("t_iter_p90_s") or []), 1e3),
                      fmt(floor * 1e3 if floor else None), fmt(t.mean / floor if floor else None),
+                     fmt_ci(sync, 1e3) if sync else "–", fmt(sync.mean / floor if sync and floor else None),
                      fmt_ci(al) if al else "–", fmt_ci(tpot, 1e3) if tpot else "–"])
-    rep.table(["mode", "S", "d", "B", "T_iter ms", "p10 ms", "p90 ms", "floor ms", "T_iter/floor", "AL", "TPOT ms"], rows)
+    rep.table(["mode", "S", "d", "B", "T_iter ms", "p10 ms", "p90 ms", "floor ms", "T_iter/floor",
+               "synchronised ms", "sync/floor", "AL", "TPOT ms"], rows)
+    if any(r.get("t_iter_sync_s") for r in f.rows):
+        rep.add("T_iter: one iteration in flight (the engine's default), the interval between consecutive "
+                "iterations' results; synchronised: every step GPU-synchronised before and after.")
+        rep.add("")
     _ratio_lines(rep, f.rows, ("S", "d", "B"))
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from wmtp.engine.window import DraftWindow
 from wmtp.errors import ConfigError
 
@@ -78,6 +80,12 @@ class SpecConfig:
             return None
         return self.draft_window
 
+    def windowed(self, context_len: torch.Tensor) -> torch.Tensor:
+        """``window_for(L) is not None`` over a tensor of lengths, on their device (no host sync)."""
+        if self.mode != "windowed":
+            return torch.zeros_like(context_len, dtype=torch.bool)
+        return context_len > self.window_min_context
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -92,6 +100,9 @@ class EngineConfig:
     # "auto": CUDA graphs for greedy decode iterations on CUDA with the triton backend; "capture"
     # forces them; "eager" runs the same static-buffer path without capturing (tests); "off".
     decode_graphs: str = "auto"
+    # Greedy static-path iterations: launch iteration i + 1 before reading iteration i's results, so
+    # the GPU does not idle while the host emits tokens and relaunches (one iteration in flight).
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "page_size", "prefill_chunk"):

@@ -6,7 +6,9 @@ first draft token d_1 and the MTP output at slot L-2 are in hand. One iteration:
 one verify forward of d = γ+1 tokens, acceptance + bonus, GDN rollback, draft-extend over the
 accepted slots with the target's true hidden states (which also yields the next d_1).
 Greedy batches run the same iteration from static buffers replayed as CUDA graphs
-(``wmtp.engine.graphs``); sampling batches, and any device without graphs, run it eagerly.
+(``wmtp.engine.graphs``), each launched before the previous one's results are read (overlap: one
+iteration in flight while the batch is unchanged); sampling batches, and any device without
+graphs, run it eagerly.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Request:
     draft_hidden: torch.Tensor | None = None  # MTP output at slot L-2
     finish_reason: str | None = None
     new_tokens: list[int] = field(default_factory=list)  # emitted since the last step() (streaming)
+    reported: bool = False  # its finish went out in a StepOutput
 
     @property
     def num_generated(self) -> int:
@@ -94,6 +97,10 @@ class Engine:
         self._graph_mode = self._resolve_graph_mode()
         self._graph_pool = torch.cuda.graph_pool_handle() if self._graph_mode == "capture" else None
         self.phase_timer = None  # benchmark-only PhaseTimer (wmtp/engine/phases.py); None costs nothing
+        self.overlap = eng.overlap  # static-path iterations overlap (off while a phase timer is set)
+        self._inflight: _InFlight | None = None  # a launched static-path iteration not yet collected
+        self._emitted: list[Request] = []  # requests a collect emitted for during this step()
+        self._last_collect = 0.0
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams) -> int:
@@ -145,20 +152,29 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Admit what fits, run one prefill chunk per prefilling request, one iteration for all
         decoding requests; return what each request emitted."""
+        self._emitted = []
         self._admit_waiting()
         prefilling = [r for r in self.running if r.status == Status.PREFILL]
+        if self._inflight is not None and (prefilling or self._inflight.reqs != self._decoding()):
+            self._drain()  # the batch changes: collect the overlapped iteration first
         touched = self._prefill_batch(prefilling) if prefilling else []
         seen = {id(r) for r in touched}
-        decoding = [r for r in self.running if r.status == Status.DECODE and id(r) not in seen]
+        decoding = [r for r in self._decoding() if id(r) not in seen]
         if decoding:
             self._iteration(decoding)
-            touched += decoding
-        outs = []
-        for req in touched:
-            if req.new_tokens or req.status == Status.FINISHED:
+        outs, done = [], set()
+        for req in touched + self._emitted + decoding:
+            if id(req) in done:
+                continue
+            done.add(id(req))
+            if req.new_tokens or (req.status == Status.FINISHED and not req.reported):
                 outs.append(StepOutput(req.id, req.new_tokens, req.status == Status.FINISHED, req.finish_reason))
                 req.new_tokens = []
+                req.reported = req.status == Status.FINISHED
         return outs
+
+    def _decoding(self) -> list[Request]:
+        return [r for r in self.running if r.status == Status.DECODE]
 
     def _admit_waiting(self) -> None:
         """Admit waiting requests in arrival order while the pools can hold their worst case."""
@@ -277,6 +293,9 @@ class Engine:
         graphs = self._decode_graphs(reqs)
         if graphs is not None:
             return self._iteration_static(reqs, graphs)
+        self._drain()
+        for g in self.graphs.values():  # this iteration advances the requests behind their backs
+            g.loaded = None
         t0 = time.perf_counter()
         if (pt := self.phase_timer) is not None:
             pt.start()
@@ -323,7 +342,9 @@ class Engine:
 
     def _record_iteration(self, reqs: list[Request], accepted: list[int], t0: float) -> None:
         """T_iter from the start of the draft phase to the end of the draft-extend (DESIGN §6; the
-        extend's d_1 read syncs, so the GPU work is done), per request and engine-wide."""
+        extend's d_1 read syncs, so the GPU work is done), per request and engine-wide. Overlapped
+        iterations pass the later of their launch and the previous collection: the steady-state
+        interval between iterations."""
         seconds = time.perf_counter() - t0
         self.metrics.record_iteration(accepted, seconds)
         for r, a in zip(reqs, accepted):
@@ -399,14 +420,20 @@ class Engine:
         return self.graphs[B]
 
     def _iteration_static(self, reqs: list[Request], graphs: DecodeGraphs) -> None:
-        """``_iteration`` for greedy batches, from static buffers: one upload, the four forwards
-        back to back (acceptance and the extend's inputs on the device), one host sync for the
-        results, then emission on the host."""
+        """``_iteration`` for greedy batches, from static buffers: the rows uploaded once per batch,
+        the four forwards back to back (positions, acceptance and the extend's inputs derived on
+        the device), results through one copy. With ``overlap`` the next iteration of the same
+        batch is launched before this one's results are read and emitted."""
+        pt = self.phase_timer
+        overlap = self.overlap and pt is None
+        prev = self._inflight
+        if prev is not None and (not overlap or prev.graphs is not graphs or prev.reqs != reqs):
+            self._drain()
+            prev = None
         t0 = time.perf_counter()
-        if (pt := self.phase_timer) is not None:
+        if pt is not None:
             pt.start()
-        lens = [len(r.tokens) for r in reqs]
-        graphs.prepare(reqs, lens, self.forced_accept)
+        graphs.load(reqs, self.forced_accept)
         if self.spec.gamma:
             graphs.run("chain")
             if pt is not None:
@@ -421,14 +448,43 @@ class Engine:
             graphs.run("extend")
             if pt is not None:
                 pt.mark("draft_ctx")
-        drafts, target, accepted, d1 = graphs.results()
-        for b, r in enumerate(reqs):
-            a = accepted[b]
-            if self._emit(r, drafts[b][:a] + [target[b][a]]) and self.spec.gamma:
-                r.draft_token, r.draft_q, r.draft_hidden = d1[b], None, graphs.next_hidden[b : b + 1]
+        launched = _InFlight(graphs, reqs, graphs.fetch(), t0)
+        if overlap:
+            self._inflight = launched
+            if prev is not None:
+                self._collect(prev)
+            return
+        self._collect(launched)
         if pt is not None:
             pt.mark("verify_ovh")  # emission and metrics (host, after the sync)
-        self._record_iteration(reqs, accepted, t0)
+
+    def _drain(self) -> None:
+        """Collect the iteration in flight, if any."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self._collect(inflight)
+
+    def _collect(self, it: _InFlight) -> None:
+        """Wait for a launched iteration's results and emit them; requests that finished after it
+        was launched (it ran one iteration past their end) are skipped."""
+        drafts, target, accepted, d1, lengths = it.graphs.results(it.ticket)
+        live, acc = [], []
+        for b, r in enumerate(it.reqs):
+            if r.status != Status.DECODE:
+                continue
+            a = accepted[b]
+            if self._emit(r, drafts[b][:a] + [target[b][a]]):
+                if len(r.tokens) != lengths[b]:
+                    raise RuntimeError(f"decode graphs: request {r.id} holds {len(r.tokens)} tokens on the host but "
+                                       f"{lengths[b]} on the device")
+                if self.spec.gamma:
+                    r.draft_token, r.draft_q, r.draft_hidden = d1[b], None, it.graphs.next_hidden[b : b + 1]
+            live.append(r)
+            acc.append(a)
+        self._emitted += live
+        start, self._last_collect = max(it.t0, self._last_collect), time.perf_counter()
+        if live:
+            self._record_iteration(live, acc, start)
 
     # ---- draft helpers -------------------------------------------------------------------------
     def _set_draft(self, req: Request, mtp_out: torch.Tensor) -> None:
@@ -464,6 +520,16 @@ class Engine:
                 self._finish(req, "length")
                 return False
         return True
+
+
+@dataclass
+class _InFlight:
+    """A static-path iteration launched and not yet collected."""
+
+    graphs: DecodeGraphs
+    reqs: list[Request]
+    ticket: int  # which of the graphs' pinned result buffers
+    t0: float  # host time at launch
 
 
 def _block_table(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -3,9 +3,10 @@
 Each set holds four forwards over fixed shapes, replayed in order every iteration with no host
 round trip between them:
 
-- ``chain``: the γ−1 greedy draft steps. Step i takes the previous token (d_1 first, read from
-  ``next_d1`` where the previous iteration's extend left it) and the previous MTP output, writes
-  draft slot L−2+i and proposes d_{i+1}; writes ``drafts`` [B, γ].
+- ``chain``: first the iteration's positions and slots, derived on the device from each row's
+  committed length L (``_stage``); then the γ−1 greedy draft steps. Step i takes the previous token
+  (d_1 first, read from ``next_d1`` where the previous iteration's extend left it) and the previous
+  MTP output, writes draft slot L−2+i and proposes d_{i+1}; writes ``drafts`` [B, γ].
 - ``verify``: the target forward over [x_{L−1}, d_1..d_γ] per request (the drafts are copied into
   its ids on the device) and the target's argmax [B, d]; the GDN layers record their per-token
   states.
@@ -13,19 +14,22 @@ round trip between them:
   request back to its accepted prefix (hybrid targets).
 - ``extend``: the draft-extend over slots L−1..L−1+a with the target's true hidden states and the
   tokens [d_1..d_a, bonus], padded to d rows per request (padding rows write the pool's trash slot
-  and are never read), which gives the next d_1 and MTP output.
+  and are never read), which gives the next d_1 and MTP output; then L += a + 1 and x_{L−1} =
+  bonus on the device (``_advance``).
 
-Dense mode (γ = 0) has only ``verify``, with d = 1.
+Dense mode (γ = 0) has only ``verify``, with d = 1, staging and advancing itself.
 
-Invariants: every per-iteration input sits in static device buffers that the host fills with one
-host-to-device copy before ``chain`` (everything the iteration needs is known then: the extend's
-slots are staged for all d positions and masked on the device by the accepted count); the results
-(drafts, target argmax, accepted counts, next d_1) come back in one device-to-host copy after
-``extend``: one host sync per iteration. Captured code reads no host value that changes between
-replays; host work per iteration is O(B·d), whatever the context length (block-table rows are
-copied only when the batch's requests change). A request that finishes in an iteration has its
-accept / extend writes land in its own slots before the host releases them (stream order).
-With ``capture=False`` the same functions run eagerly (CPU tests): a replay is then a call.
+Invariants: the host uploads a batch's rows (block tables, L, x_{L−1}, state slots, draft state)
+once, when the batch changes (``load``); from then on every per-iteration input is derived on the
+device, so iteration i + 1 can be launched before iteration i's results are read (the engine's
+overlap), and host work per iteration is O(B·d) whatever the context length. A row with L = 0 is
+inactive: all its writes go to trash slots (warm-up and capture run the forwards once on such
+rows). Slots of positions past a request's reserved pages also go to the trash slot: an overlapped
+iteration runs once past a request's end, and its results for a finished request are dropped.
+The results (drafts, target argmax, accepted counts, next d_1, L) come back through one of two
+pinned host buffers (``fetch`` then ``results``): one host sync per iteration. Captured code reads
+no host value that changes between replays. With ``capture=False`` the same functions run eagerly
+(CPU tests), warm-up included: a replay is then a call.
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ if TYPE_CHECKING:
 
 
 class _Staging:
-    """Named int64 fields packed in one host buffer (pinned on CUDA) mirrored by one device
-    buffer: the host writes values, ``upload`` is one copy, and each field has a device view."""
+    """Named int64 fields packed in one device buffer: the host writes values, ``upload`` is one
+    copy (from a fresh pinned buffer, which the caching host allocator keeps until the copy ran,
+    so an upload never races an earlier one), and each field has a device view."""
 
     def __init__(self, fields: dict[str, tuple[int, ...]], device: torch.device) -> None:
         self.shapes = fields
@@ -53,8 +58,7 @@ class _Staging:
         for name, shape in fields.items():
             self.offsets[name] = n
             n += math.prod(shape)
-        pin = device.type == "cuda"
-        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self.pin = device.type == "cuda"
         self.dev = torch.zeros(n, dtype=torch.int64, device=device)
         self.values: list[int] = [0] * n
 
@@ -67,14 +71,14 @@ class _Staging:
         self.values[o : o + len(flat)] = flat
 
     def upload(self) -> None:
-        self.host.copy_(torch.tensor(self.values, dtype=torch.int64))
-        self.dev.copy_(self.host, non_blocking=True)
+        host = torch.tensor(self.values, dtype=torch.int64)
+        self.dev.copy_(host.pin_memory() if self.pin else host, non_blocking=True)
 
 
 class DecodeGraphs:
     """The static buffers, contexts and (optionally captured) graphs for batches of ``B`` greedy
-    requests of one engine. One iteration: ``prepare``, ``run`` chain / verify / accept / extend,
-    ``results``."""
+    requests of one engine. One iteration: ``load`` (a no-op while the batch is unchanged), ``run``
+    chain / verify / accept / extend, ``fetch``, then ``results`` (possibly after launching the next)."""
 
     def __init__(self, engine: Engine, batch: int, capture: bool, pool=None) -> None:
         self.eng, self.B = engine, batch
@@ -82,38 +86,47 @@ class DecodeGraphs:
         self.gamma, self.d = spec.gamma, spec.verify_tokens
         dev, B, d, g = engine.device, batch, self.d, max(self.gamma - 1, 0)
         mem = engine.memory
+        # loaded by the host when the batch changes: length (L), ver_x (x_{L-1}), state, forced,
+        # pages (reserved target / draft pages); the rest is derived on the device by _stage
         self.stage = _Staging({
+            "length": (B,), "ver_x": (B,), "state": (B,), "forced": (B,), "pages": (B,), "draft_pages": (B,),
             "chain_pos": (g, B), "chain_slot": (g, B), "windowed": (B,), "ver_pos": (B, d), "ver_slot": (B, d),
-            "ver_x": (B,), "ver_start": (B,), "state": (B,), "ext_slot": (B, d), "forced": (B,),
+            "ver_start": (B,), "ext_slot": (B, d),
         }, dev)
         max_pages = mem.pages_for(engine.eng.max_model_len + spec.num_draft_tokens)
         self.target_table = torch.zeros(B, max_pages, dtype=torch.int32, device=dev)
         self.ring = spec.uses_ring
         self.draft_table = (torch.zeros(B, 1, dtype=torch.int64, device=dev) if self.ring
                             else torch.zeros(B, max_pages, dtype=torch.int32, device=dev))
-        self.hidden_in = torch.zeros(B, cfg.hidden_size, device=dev, dtype=engine.dtype)
-        # results, packed for one copy to the host: drafts [B, γ] | target [B, d] | accepted | next d_1
+        # results, packed for one copy to the host: drafts [B, γ] | target [B, d] | accepted | next d_1 | L
         g1 = max(self.gamma, 1)
-        self.out = torch.zeros(B, g1 + d + 2, dtype=torch.int64, device=dev)
+        self.out = torch.zeros(B, g1 + d + 3, dtype=torch.int64, device=dev)
         self.drafts, self.target = self.out[:, :g1], self.out[:, g1 : g1 + d]
-        self.accepted, self.next_d1 = self.out[:, g1 + d], self.out[:, g1 + d + 1]
+        self.accepted, self.next_d1, self.length_out = self.out[:, g1 + d], self.out[:, g1 + d + 1], self.out[:, g1 + d + 2]
         self.ver_hidden = torch.zeros(B * d, cfg.hidden_size, device=dev, dtype=engine.dtype)
         self.next_hidden = torch.zeros(B, cfg.hidden_size, device=dev, dtype=engine.dtype)
         self.ext_ids = torch.zeros(B, d, dtype=torch.int64, device=dev)
         self.ext_slot = torch.zeros(B, d, dtype=torch.int64, device=dev)
         self.ext_len = torch.zeros(B, dtype=torch.int64, device=dev)
         self.cols = torch.arange(d, device=dev)
+        self.chain_steps = torch.arange(1, max(self.gamma, 1), device=dev)[:, None]  # [γ-1, 1]
         self.trash_draft = torch.tensor(mem.trash_draft_slot, device=dev)
-        self.out_host = torch.zeros(self.out.shape, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self.rows: list[int] = []  # ids of the requests whose tables are loaded, in row order
+        self.trash_kv = torch.tensor(mem.trash_kv_slot, device=dev)
+        cuda = dev.type == "cuda"
+        self.out_host = [torch.zeros(self.out.shape, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self.out_ready = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._next_buf = 0
+        self.loaded: tuple | None = None  # (request ids in row order, forced) of the rows on the device
         self._build_contexts()
-        self._fill_safe()
         self.graphs: dict[str, Callable[[], None]] = {}
+        first, last = ("chain", "extend") if self.gamma else ("verify", "verify")
         fns = {"verify": self._verify}
         if self.gamma:
             fns.update(chain=self._chain, accept=self._accept, extend=self._extend)
         for name, fn in fns.items():
-            self.graphs[name] = self._capture(fn, pool) if capture else fn
+            fn = _framed(fn, self._stage if name == first else None, self._advance if name == last else None)
+            self.graphs[name] = self._capture(fn, pool) if capture else self._warm(fn)
+        self._fill_safe()
 
     # ---- contexts over the static buffers ------------------------------------------------------
     def _lens(self, q_start: torch.Tensor, q_len: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -161,20 +174,63 @@ class DecodeGraphs:
                                  self._lens(a.view("ver_start"), self.ext_len), target=False)
 
     def _fill_safe(self) -> None:
-        """Point every write at the trash slots (warm-up and capture run the forwards once)."""
-        mem, B, d = self.eng.memory, self.B, self.d
-        self.stage.set("chain_slot", [mem.trash_draft_slot] * (max(self.gamma - 1, 0) * B))
-        self.stage.set("ver_slot", [mem.trash_kv_slot] * (B * d))
-        self.stage.set("state", [mem.trash_state_slot] * B)
-        self.stage.set("ext_slot", [mem.trash_draft_slot] * (B * d))
-        self.stage.set("forced", [-1] * B)
+        """Every row inactive (L = 0): all writes go to the trash slots (warm-up, capture, and any
+        run before ``load``); the derived fields follow at once."""
+        mem, B = self.eng.memory, self.B
+        for name, value in (("length", 0), ("ver_x", 0), ("state", mem.trash_state_slot), ("forced", -1),
+                            ("pages", 0), ("draft_pages", 0)):
+            self.stage.set(name, [value] * B)
         self.stage.upload()
+        self._stage()
+        self.loaded = None
+
+    def _warm(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """The uncaptured twin of ``_capture``: the same warm-up run on inactive rows."""
+        self._fill_safe()
+        fn()
+        return fn
+
+    # ---- device-side staging (start of the iteration) and advance (end of it) -----------------
+    def _draft_slots(self, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """Draft-pool slots of ``positions`` [B, n] (the ring, or the draft pages in native mode)."""
+        if self.ring:
+            return self.ext_ctx.kv_slots.batch_slots(positions, active, self.trash_draft)
+        return self.ext_ctx.kv_slots.batch_slots(positions, self.stage.view("draft_pages"), self.trash_draft)
+
+    @torch.no_grad()
+    def _stage(self) -> None:
+        """Positions, slots and the window flag of this iteration from each row's L, written into
+        the static views every context reads. Inactive rows (L = 0) get trash slots."""
+        a = self.stage
+        L = a.view("length")
+        active = L > 0
+        Lc = L.clamp(min=2)  # a real row has L >= 2 (prompt + first token); keeps positions >= 0
+        ver_pos = (Lc - 1)[:, None] + self.cols
+        a.view("ver_pos").copy_(ver_pos)
+        a.view("ver_start").copy_(Lc - 1)
+        a.view("ver_slot").copy_(self.ver_ctx.kv_slots.batch_slots(ver_pos, a.view("pages"), self.trash_kv))
+        a.view("windowed").copy_(self.eng.spec.windowed(L))
+        if self.gamma:
+            a.view("ext_slot").copy_(self._draft_slots(ver_pos, active))
+            if self.gamma > 1:
+                chain_pos = (Lc - 2)[None, :] + self.chain_steps  # [γ-1, B]: step i writes L-2+i
+                a.view("chain_pos").copy_(chain_pos)
+                a.view("chain_slot").copy_(self._draft_slots(chain_pos.T, active).T)
+
+    @torch.no_grad()
+    def _advance(self) -> None:
+        """Commit the iteration on the device: L += a + 1, x_{L-1} = the bonus token (a = 0 in dense
+        mode); L is also reported in the results."""
+        L, a = self.stage.view("length"), self.accepted
+        self.stage.view("ver_x").copy_(self.target.gather(1, a[:, None])[:, 0])
+        L.add_(torch.where(L > 0, a + 1, 0))
+        self.length_out.copy_(L)
 
     # ---- the forwards (captured once; they only read and write static buffers) ----------------
     @torch.no_grad()
     def _chain(self) -> None:
         model = self.eng.model
-        ids, hid = self.next_d1, self.hidden_in
+        ids, hid = self.next_d1, self.next_hidden  # the extend rewrites next_hidden only after the chain
         self.drafts[:, 0] = ids
         for i, ctx in enumerate(self.chain_ctx, start=1):
             hid = model.mtp_forward(ids, hid, ctx)
@@ -218,10 +274,11 @@ class DecodeGraphs:
         self.next_d1.copy_(model.compute_logits(last).argmax(-1))
 
     def _capture(self, fn: Callable[[], None], pool) -> Callable[[], None]:
+        self._fill_safe()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            fn()  # warm-up: compiles kernels, settles the allocator (writes go to trash slots)
+            fn()  # warm-up: compiles kernels, settles the allocator (inactive rows: writes go to trash slots)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
@@ -229,68 +286,71 @@ class DecodeGraphs:
         return graph.replay
 
     # ---- host side of one iteration ------------------------------------------------------------
-    def _load_rows(self, reqs: list[Request]) -> None:
-        """Copy block-table rows when the batch changed, and the requests' draft state (d_1 and the
-        MTP output) unless the previous iteration's extend left it in ``next_d1`` / ``next_hidden``."""
-        ids = [r.id for r in reqs]
-        if ids != self.rows:
-            self.target_table.zero_()
-            for b, r in enumerate(reqs):
-                row = r.page_rows[0]
-                self.target_table[b, : row.numel()] = row
-                if self.ring:
-                    self.draft_table[b, 0] = self.eng._ring_base(r)
-                elif self.gamma:
-                    self.draft_table[b, : r.page_rows[1].numel()] = r.page_rows[1]
-            self.rows = ids
-        if not self.gamma:
+    def load(self, reqs: list[Request], forced: int | None) -> None:
+        """Upload the batch's rows when they changed (``forced``: accept exactly this many drafts,
+        benchmark-only): block tables, L, x_{L-1}, state slots, reserved pages, and the draft state
+        (d_1 and the MTP output) unless the previous iteration's extend left it in ``next_d1`` /
+        ``next_hidden``. Call only with no iteration of this set in flight."""
+        key = ([r.id for r in reqs], forced)
+        if key == self.loaded:
             return
-        if any(r.draft_hidden.data_ptr() != self.next_hidden[b].data_ptr() for b, r in enumerate(reqs)):
-            self.hidden_in.copy_(torch.cat([r.draft_hidden for r in reqs]))
-            self.next_d1.copy_(torch.tensor([r.draft_token for r in reqs]), non_blocking=False)
-        else:
-            self.hidden_in.copy_(self.next_hidden)
-
-    def _draft_slot(self, req: Request, pos: int) -> int:
-        spec = self.eng.spec
-        if self.ring:
-            return self.eng._ring_base(req) + spec.draft_window.ring_slot(pos, spec.num_draft_tokens)
-        return _paged_slot(req.alloc.draft_pages, pos, self.eng.eng.page_size)
-
-    def prepare(self, reqs: list[Request], lens: list[int], forced: int | None) -> None:
-        """Stage everything the iteration needs (L = committed tokens; ``forced``: accept exactly
-        this many drafts, benchmark-only)."""
-        self._load_rows(reqs)
-        a, eng, d, page = self.stage, self.eng, self.d, self.eng.eng.page_size
-        chain_pos = [L - 2 + i for i in range(1, self.gamma) for L in lens]
-        a.set("chain_pos", chain_pos)
-        a.set("chain_slot", [self._draft_slot(reqs[j % self.B], p) for j, p in enumerate(chain_pos)])
-        a.set("windowed", [eng.spec.window_for(L) is not None for L in lens])
-        ver_pos = [L - 1 + j for L in lens for j in range(d)]
-        a.set("ver_pos", ver_pos)
-        a.set("ver_slot", [_paged_slot(reqs[i // d].alloc.pages, p, page) for i, p in enumerate(ver_pos)])
+        eng, a = self.eng, self.stage
+        self.target_table.zero_()
+        for b, r in enumerate(reqs):
+            row = r.page_rows[0]
+            self.target_table[b, : row.numel()] = row
+            if self.ring:
+                self.draft_table[b, 0] = eng._ring_base(r)
+            elif self.gamma:
+                self.draft_table[b, : r.page_rows[1].numel()] = r.page_rows[1]
+        a.set("length", [len(r.tokens) for r in reqs])
         a.set("ver_x", [r.tokens[-1] for r in reqs])
-        a.set("ver_start", [L - 1 for L in lens])
-        if self.gamma:
-            a.set("ext_slot", [self._draft_slot(reqs[i // d], p) for i, p in enumerate(ver_pos)])
-            a.set("forced", [-1 if forced is None else forced] * self.B)
-        if eng.model.config.is_hybrid:
-            a.set("state", [r.alloc.state_slot for r in reqs])
+        a.set("state", [eng.memory.trash_state_slot if r.alloc.state_slot is None else r.alloc.state_slot
+                        for r in reqs])
+        a.set("forced", [-1 if forced is None else forced] * self.B)
+        a.set("pages", [len(r.alloc.pages) for r in reqs])
+        a.set("draft_pages", [len(r.alloc.draft_pages) for r in reqs])
         a.upload()
+        if self.gamma and any(r.draft_hidden.data_ptr() != self.next_hidden[b].data_ptr() for b, r in enumerate(reqs)):
+            self.next_hidden.copy_(torch.cat([r.draft_hidden for r in reqs]))
+            self.next_d1.copy_(torch.tensor([r.draft_token for r in reqs]), non_blocking=False)
+        self.loaded = key
 
     def run(self, name: str) -> None:
         """Replay (or, uncaptured, call) one of the forwards."""
         self.graphs[name]()
 
-    def results(self) -> tuple[list[list[int]], list[list[int]], list[int], list[int]]:
-        """(drafts [B][γ], target argmax [B][d], accepted [B], next d_1 [B]) on the host: the
-        iteration's one sync (dense mode: accepted 0, no drafts)."""
-        self.out_host.copy_(self.out)
-        rows = self.out_host.tolist()
+    def fetch(self) -> int:
+        """Queue the copy of this iteration's results to a pinned host buffer (after the forwards,
+        in stream order); returns the ticket ``results`` waits on."""
+        k, self._next_buf = self._next_buf, 1 - self._next_buf
+        self.out_host[k].copy_(self.out, non_blocking=True)
+        if self.out_ready[k] is not None:
+            self.out_ready[k].record()
+        return k
+
+    def results(self, ticket: int) -> tuple[list[list[int]], list[list[int]], list[int], list[int], list[int]]:
+        """(drafts [B][γ], target argmax [B][d], accepted [B], next d_1 [B], L after the iteration
+        [B]) on the host: waits for that iteration only (dense mode: accepted 0, no drafts)."""
+        if self.out_ready[ticket] is not None:
+            self.out_ready[ticket].synchronize()
+        rows = self.out_host[ticket].tolist()
         g1, d = max(self.gamma, 1), self.d
         return ([r[: self.gamma] for r in rows], [r[g1 : g1 + d] for r in rows], [r[g1 + d] for r in rows],
-                [r[g1 + d + 1] for r in rows])
+                [r[g1 + d + 1] for r in rows], [r[g1 + d + 2] for r in rows])
 
 
-def _paged_slot(pages: list[int], pos: int, page_size: int) -> int:
-    return pages[pos // page_size] * page_size + pos % page_size
+def _framed(fn: Callable[[], None], before: Callable[[], None] | None, after: Callable[[], None] | None
+            ) -> Callable[[], None]:
+    """``fn`` with the iteration's staging before it / advance after it (inside the same graph)."""
+    if before is None and after is None:
+        return fn
+
+    def framed() -> None:
+        if before is not None:
+            before()
+        fn()
+        if after is not None:
+            after()
+
+    return framed

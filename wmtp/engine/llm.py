@@ -50,6 +50,7 @@ class LLM:
         seed: int = 0,
         backend: str = "auto",
         decode_graphs: str = "auto",
+        overlap: bool = True,
     ) -> None:
         import wmtp
         from wmtp.models.backend import default_backend
@@ -59,7 +60,7 @@ class LLM:
         self.tokenizer = TextTokenizer.maybe_load(model) if Path(model).is_dir() else None
         eng = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size,
                            num_kv_pages=num_kv_pages, kv_memory_bytes=kv_memory_bytes, prefill_chunk=prefill_chunk,
-                           decode_graphs=decode_graphs)
+                           decode_graphs=decode_graphs, overlap=overlap)
         self.spec = spec or SpecConfig()
         self.engine = Engine(self.model, self.spec, eng)
 

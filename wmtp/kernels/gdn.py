@@ -12,6 +12,8 @@ the host. The twin is ``TorchBackend.gated_delta_net``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from wmtp.kernels.torch_gdn import L2NORM_EPS
@@ -38,6 +40,17 @@ if triton is not None:
         return g, beta.to(b.dtype)
 
     @triton.jit
+    def _token_inputs(Q, K, V, A, B, row, live, hk, h, R, ks, vs, v_ok, stride_qt, stride_qh, stride_vt, stride_vh,
+                      stride_at, stride_ag, stride_bt, stride_bg):
+        """One token's q, k [DK], v [BLOCK_V] and raw gates a, b for v-head h (zeros where not ``live``)."""
+        q = tl.load(Q + row * stride_qt + hk * stride_qh + ks, mask=live & (ks >= 0), other=0.0)
+        k = tl.load(K + row * stride_qt + hk * stride_qh + ks, mask=live & (ks >= 0), other=0.0)
+        v = tl.load(V + row * stride_vt + h * stride_vh + vs, mask=live & v_ok, other=0.0)
+        a = tl.load(A + row * stride_at + (h // R) * stride_ag + h % R, mask=live, other=0.0)
+        b = tl.load(B + row * stride_bt + (h // R) * stride_bg + h % R, mask=live, other=0.0)
+        return q, k, v, a, b
+
+    @triton.jit
     def _gdn_recurrent_kernel(Q, K, V, A, B, A_LOG, DT_BIAS, STATE, SLOTS, TOK_OFF, Q_LEN, O, REC,
                               HV, R, stride_qt, stride_qh, stride_vt, stride_vh, stride_at, stride_ag, stride_bt,
                               stride_bg, stride_ss, stride_sh, scale, eps, GROUP: tl.constexpr, DK: tl.constexpr,
@@ -53,20 +66,27 @@ if triton is not None:
         v_ok = vs < DV
         a_log = tl.load(A_LOG + h)
         dt_bias = tl.load(DT_BIAS + h)
+        # Token t + 1's inputs are loaded while token t computes: the tokens form a dependent chain,
+        # so an unprefetched load's latency would be paid once per token.
+        q_n, k_n, v_n, a_n, b_n = _token_inputs(Q, K, V, A, B, off, n > 0, h // GROUP, h, R, ks, vs, v_ok, stride_qt,
+                                                stride_qh, stride_vt, stride_vh, stride_at, stride_ag, stride_bt,
+                                                stride_bg)
         s_ptr = STATE + slot * stride_ss + h * stride_sh + ks[:, None] * DV + vs[None, :]
         S = tl.load(s_ptr, mask=v_ok[None, :], other=0.0).to(tl.float32)
         for t in range(0, n):
             row = off + t
-            q = tl.load(Q + row * stride_qt + (h // GROUP) * stride_qh + ks).to(tl.float32)
-            k = tl.load(K + row * stride_qt + (h // GROUP) * stride_qh + ks).to(tl.float32)
-            v = tl.load(V + row * stride_vt + h * stride_vh + vs, mask=v_ok, other=0.0).to(tl.float32)
-            g, beta = _gate_values(tl.load(A + row * stride_at + (h // R) * stride_ag + h % R),
-                                   tl.load(B + row * stride_bt + (h // R) * stride_bg + h % R), a_log, dt_bias)
+            q, k, v, a, bt = q_n, k_n, v_n, a_n, b_n
+            q_n, k_n, v_n, a_n, b_n = _token_inputs(Q, K, V, A, B, row + 1, t + 1 < n, h // GROUP, h, R, ks, vs, v_ok,
+                                                    stride_qt, stride_qh, stride_vt, stride_vh, stride_at, stride_ag,
+                                                    stride_bt, stride_bg)
+            g, beta = _gate_values(a, bt, a_log, dt_bias)
+            q = q.to(tl.float32)
+            k = k.to(tl.float32)
             q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * scale
             k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
             S = S * tl.exp(g)
             pred = tl.sum(k[:, None] * S, 0)  # what the state already predicts for k
-            delta = (v - pred) * beta.to(tl.float32)
+            delta = (v.to(tl.float32) - pred) * beta.to(tl.float32)
             S = S + k[:, None] * delta[None, :]
             o = tl.sum(q[:, None] * S, 0)
             tl.store(O + row * (HV * DV) + h * DV + vs, o.to(O.dtype.element_ty), mask=v_ok)
@@ -88,7 +108,7 @@ if triton is not None:
         tl.store(BETA_OUT + t * HV + hs, beta.to(BETA_OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _conv_update_kernel(X, W, STATE, SLOTS, TOK_OFF, Q_LEN, OUT, WIN, C, stride_ss, win_rows,
+    def _conv_update_kernel(X, W, STATE, SLOTS, TOK_OFF, Q_LEN, OUT, WIN, C, stride_xt, stride_ss, win_rows,
                             BLOCK_C: tl.constexpr, RECORD: tl.constexpr):
         """Kernel size 4: out[t] = silu(w0 x[t-3] + w1 x[t-2] + w2 x[t-1] + w3 x[t]) per channel,
         the left context read from / written back to the request's conv-state slot."""
@@ -113,7 +133,7 @@ if triton is not None:
             tl.store(wb + 2 * C, h1.to(WIN.dtype.element_ty), mask=ok)
         for t in range(0, n):
             row = (off + t).to(tl.int64)
-            x = tl.load(X + row * C + cs, mask=ok, other=0.0)
+            x = tl.load(X + row * stride_xt + cs, mask=ok, other=0.0)
             y = w0 * h3.to(tl.float32) + w1 * h2.to(tl.float32) + w2 * h1.to(tl.float32) + w3 * x.to(tl.float32)
             y = y.to(W.dtype.element_ty).to(tl.float32)  # the reference convolves in the weight dtype
             y = y / (1.0 + tl.exp(-y))
@@ -125,6 +145,32 @@ if triton is not None:
         tl.store(s_ptr + 1, h2, mask=ok)
         tl.store(s_ptr + 2, h1, mask=ok)
 
+
+    @triton.jit
+    def _rollback_kernel(CONV, SSM, REC, WIN, SLOTS, ACC, B, n, N, C, win_rows, stride_cl, stride_cs, stride_sl,
+                         stride_ss, stride_rl, stride_wl, SSM_BLOCKS, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+                         KM1: tl.constexpr):
+        """Program (layer * B + b, j): block j of request b's recorded state after its accepted token
+        -> its ssm slot; programs past the ssm blocks copy the conv window rows."""
+        lb = tl.program_id(0)
+        j = tl.program_id(1)
+        l = (lb // B).to(tl.int64)
+        b = lb % B
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        a = tl.load(ACC + b).to(tl.int64)
+        if j < SSM_BLOCKS:  # (branch-local names: Triton types each name once across both branches)
+            offs = j * BLOCK + tl.arange(0, BLOCK)
+            s_ok = offs < N
+            s = tl.load(REC + l * stride_rl + (b * n + a) * N + offs, mask=s_ok)
+            tl.store(SSM + l * stride_sl + slot * stride_ss + offs, s, mask=s_ok)
+        else:
+            cs = (j - SSM_BLOCKS) * BLOCK_C + tl.arange(0, BLOCK_C)
+            c_ok = cs < C
+            src = WIN + l * stride_wl + (b * win_rows + a + 1) * C + cs
+            dst = CONV + l * stride_cl + slot * stride_cs + cs * KM1
+            for r in tl.static_range(KM1):
+                w = tl.load(src + r * C, mask=c_ok)
+                tl.store(dst + r, w.to(CONV.dtype.element_ty), mask=c_ok)
 
 def _check_gate_views(op: str, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
                       ) -> int:
@@ -156,18 +202,21 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
 def conv_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
                 tok_off: torch.Tensor, q_len: torch.Tensor, record_len: int | None = None,
                 window_into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Causal depthwise conv (kernel 4) + SiLU over every request's rows of ``x`` [T, C] in one
+    """Causal depthwise conv (kernel 4) + SiLU over every request's rows of ``x`` [T, C] (rows may be
+    strided) in one
     launch: request b owns rows ``tok_off[b] ..`` (``q_len[b]`` of them, device tensors) and its
     left context is ``conv_state[slots[b]]`` [C, 3], updated in place. With ``record_len`` n
     (every request has n rows: a verify) also returns the windows [B, 3 + n, C] (old context, then
     the inputs) that the rollback reads, written into ``window_into[:B]`` when given (the engine's
     preallocated verify record). Twin: ``torch_gdn.causal_conv1d`` per request."""
     T, C = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()  # rows may be strided (a view into the packed input projection), channels not
     if weight.shape != (C, 4) or conv_state.shape[1:] != (C, 3) or not conv_state.is_contiguous():
         raise ValueError(f"conv_update: weight {tuple(weight.shape)} must be [{C}, 4] and conv_state "
                          f"{tuple(conv_state.shape)} a contiguous [slots, {C}, 3] (kernel size 4 only)")
     B = slots.shape[0]
-    out = torch.empty_like(x)
+    out = torch.empty(T, C, device=x.device, dtype=x.dtype)
     win = None
     if record_len is not None and window_into is not None:
         if window_into.shape[0] < B or window_into.shape[1:] != (3 + record_len, C):
@@ -178,8 +227,8 @@ def conv_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
         win = torch.empty(B, 3 + record_len, C, device=x.device, dtype=conv_state.dtype)
     block_c = 256
     _conv_update_kernel[(B, triton.cdiv(C, block_c))](
-        x.contiguous(), weight.contiguous(), conv_state, slots, tok_off, q_len, out, out if win is None else win,
-        C, conv_state.stride(0), 3 + (record_len or 0), BLOCK_C=block_c, RECORD=win is not None)
+        x, weight.contiguous(), conv_state, slots, tok_off, q_len, out, out if win is None else win,
+        C, x.stride(0), conv_state.stride(0), 3 + (record_len or 0), BLOCK_C=block_c, RECORD=win is not None)
     return out, win
 
 
@@ -259,3 +308,27 @@ def gdn_chunked_fla(conv_out: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     )
     ssm_state[slots] = final.to(ssm_state.dtype)
     return o[0]
+
+
+def rollback_states(conv: torch.Tensor, ssm: torch.Tensor, rec_states: torch.Tensor, rec_windows: torch.Tensor,
+                    slots: torch.Tensor, accepted: torch.Tensor, n: int) -> None:
+    """``torch_gdn.rollback_states`` (its twin) in one launch: each request's recorded state after
+    its accepted token is copied straight into its slot, every layer at once (the reference's
+    gather then scatter moves the bytes twice). Shapes as the twin's; all contiguous."""
+    L, B = ssm.shape[0], slots.shape[0]
+    N, C, km1 = math.prod(ssm.shape[2:]), conv.shape[2], conv.shape[3]
+    shapes_ok = (rec_states.shape[0] == L and rec_states.shape[1] >= B * n and rec_states.shape[2:] == ssm.shape[2:]
+                 and rec_windows.shape[0] == L and rec_windows.shape[1] >= B and rec_windows.shape[2:] == (km1 + n, C)
+                 and conv.shape[0] == L and accepted.shape == slots.shape)
+    if not shapes_ok or not all(t.is_contiguous() for t in (conv, ssm, rec_states, rec_windows)):
+        raise ValueError(f"rollback_states: conv {tuple(conv.shape)}, ssm {tuple(ssm.shape)}, rec_states "
+                         f"{tuple(rec_states.shape)}, rec_windows {tuple(rec_windows.shape)}, slots {tuple(slots.shape)}, "
+                         f"accepted {tuple(accepted.shape)} disagree for {B} requests of {n} tokens (all contiguous)")
+    if B == 0:
+        return
+    block, block_c = 4096, 1024
+    ssm_blocks = triton.cdiv(N, block)
+    _rollback_kernel[(L * B, ssm_blocks + triton.cdiv(C, block_c))](
+        conv, ssm, rec_states, rec_windows, slots, accepted, B, n, N, C, km1 + n, conv.stride(0), conv.stride(1),
+        ssm.stride(0), ssm.stride(1), rec_states.stride(0), rec_windows.stride(0), ssm_blocks,
+        BLOCK=block, BLOCK_C=block_c, KM1=km1)

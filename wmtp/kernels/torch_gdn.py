@@ -309,3 +309,20 @@ def gdn_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Ten
     g = -A_log.to(acc).exp() * F.softplus(a.to(acc) + dt_bias.to(acc))
     beta = torch.sigmoid(b)
     return g, beta
+
+
+def rollback_states(conv: Tensor, ssm: Tensor, rec_states: Tensor, rec_windows: Tensor, slots: Tensor,
+                    accepted: Tensor, n: int) -> None:
+    """After a verify of n tokens per request that recorded every layer's per-token states: set
+    each request's states back to those after its verify token ``accepted[b]``, every layer at
+    once. conv [L, slots, C, K-1], ssm [L, slots, HV, Dk, Dv], rec_states [L, >= B*n, HV, Dk, Dv]
+    (request b's token t at row b*n + t), rec_windows [L, >= B, K-1+n, C] (the old context then
+    the inputs); slots, accepted [B] device tensors."""
+    B = slots.shape[0]
+    rows = torch.arange(B, device=accepted.device) * n + accepted
+    ssm[:, slots] = rec_states[:, rows].to(ssm.dtype)
+    # conv state after token a = the K-1 inputs ending at window row a + K-1
+    k1 = conv.shape[-1]
+    idx = (accepted[:, None] + 1 + torch.arange(k1, device=accepted.device))[None, :, :, None]
+    win = rec_windows[:, :B]
+    conv[:, slots] = win.gather(2, idx.expand(win.shape[0], B, k1, win.shape[-1])).transpose(2, 3).to(conv.dtype)

@@ -99,6 +99,14 @@ class Backend(ABC):
         preallocated verify record), else into new tensors.
         """
 
+    def gdn_rollback(self, conv: torch.Tensor, ssm: torch.Tensor, rec_states: torch.Tensor, rec_windows: torch.Tensor,
+                     slots: torch.Tensor, accepted: torch.Tensor, n: int) -> None:
+        """Every GDN layer's states of ``slots`` back to those after verify token ``accepted[b]``
+        (``torch_gdn.rollback_states`` states the layouts). Device tensors only: capturable."""
+        from wmtp.kernels.torch_gdn import rollback_states
+
+        rollback_states(conv, ssm, rec_states, rec_windows, slots, accepted, n)
+
     @abstractmethod
     def moe(
         self,
@@ -312,6 +320,13 @@ class TritonBackend(TorchBackend):
         from wmtp.kernels.norm import rms_norm
 
         return rms_norm(x, weight, eps, gate=gate)
+
+    def gdn_rollback(self, conv, ssm, rec_states, rec_windows, slots, accepted, n):
+        if conv.dtype == torch.float64:
+            return super().gdn_rollback(conv, ssm, rec_states, rec_windows, slots, accepted, n)
+        from wmtp.kernels.gdn import rollback_states
+
+        rollback_states(conv, ssm, rec_states, rec_windows, slots, accepted, n)
 
     def capturable_moe(self, num_tokens: int, cfg, dtype: torch.dtype) -> bool:
         """Whether ``moe`` over ``num_tokens`` avoids host syncs (CUDA-graph capture): the pair-wise

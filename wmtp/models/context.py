@@ -35,6 +35,14 @@ class PagedSlots:
         pages = self.block_table[req, torch.div(positions, self.page_size, rounding_mode="floor")]
         return pages.long() * self.page_size + positions % self.page_size
 
+    def batch_slots(self, positions: torch.Tensor, num_pages: torch.Tensor, trash: torch.Tensor) -> torch.Tensor:
+        """Slots of ``positions`` [B, n] (device tensors, no host sync): row b's position p, when
+        ``0 <= p < num_pages[b] * page``, else ``trash`` (past a request's reserved pages)."""
+        page = torch.div(positions, self.page_size, rounding_mode="floor")
+        ok = (positions >= 0) & (page < num_pages[:, None])
+        pages = self.block_table.gather(1, page.clamp(0, self.block_table.shape[1] - 1))
+        return torch.where(ok, pages.long() * self.page_size + positions % self.page_size, trash)
+
 
 @dataclass
 class RingSlots:
@@ -47,6 +55,12 @@ class RingSlots:
     def slots(self, req: int, positions: torch.Tensor) -> torch.Tensor:
         positions = positions.to(self.base.device)
         return self.base[req].long() + self.window.ring_slot(positions, self.num_draft_tokens)
+
+    def batch_slots(self, positions: torch.Tensor, active: torch.Tensor, trash: torch.Tensor) -> torch.Tensor:
+        """Slots of ``positions`` [B, n] (device tensors, no host sync) for the rows where
+        ``active`` [B], ``trash`` elsewhere."""
+        slots = self.base.long()[:, None] + self.window.ring_slot(positions.clamp(min=0), self.num_draft_tokens)
+        return torch.where(active[:, None], slots, trash)
 
 
 @dataclass

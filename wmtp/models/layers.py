@@ -1,7 +1,10 @@
 """Decoder building blocks for both families. Module and parameter names mirror the HF checkpoints
-(``self_attn.q_proj``, ``linear_attn.in_proj_qkvz``, ``mlp.experts.gate_up_proj`` ...), so loading is
-a name lookup. Caches are attributes bound by the engine (``k_cache``/``v_cache`` on attention,
-``conv_state``/``ssm_state`` on Gated DeltaNet), one preallocated tensor per layer.
+(``mlp.experts.gate_up_proj``, ``linear_attn.A_log`` ...), so loading is a name lookup, except that
+projections of one input are packed into one ``PackedLinear`` (``self_attn.qkv_proj`` holds the
+checkpoint's q_proj / k_proj / v_proj rows; ``linear_attn.in_proj`` the in_proj_* ones), whose
+parts the loader and writer map by name. Caches are attributes bound by the engine
+(``k_cache``/``v_cache`` on attention, ``conv_state``/``ssm_state`` on Gated DeltaNet), one
+preallocated tensor per layer.
 """
 
 from __future__ import annotations
@@ -30,6 +33,36 @@ class RMSNorm(nn.Module):
         return self.backend.add_rms_norm(x, residual, self.weight, self.eps, self.offset)
 
 
+class PackedLinear(nn.Linear):
+    """Several projections of the same input stored as one weight, their rows in ``parts`` order
+    (name -> out features), so a forward runs one GEMM: at decode sizes each launch costs more than
+    the bytes it reads. Checkpoints keep the parts apart: the loader maps ``<parent>.<part>.weight``
+    (and ``.bias``) to ``rows(part)`` of this module's tensors, and the writer splits them back."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = dict(parts)
+
+    def rows(self, part: str) -> slice:
+        start = 0
+        for name, size in self.parts.items():
+            if name == part:
+                return slice(start, start + size)
+            start += size
+        raise KeyError(f"PackedLinear has no part {part!r}; parts: {list(self.parts)}")
+
+    def split(self, y: torch.Tensor) -> list[torch.Tensor]:
+        """The parts of a forward's output [T, out_features], as column views (no copies)."""
+        return list(y.split(list(self.parts.values()), dim=-1))
+
+    def forward_parts(self, x: torch.Tensor, first: str, last: str) -> list[torch.Tensor]:
+        """Only the adjacent parts ``first`` .. ``last``, from one GEMM over their rows."""
+        rows = slice(self.rows(first).start, self.rows(last).stop)
+        names = list(self.parts)
+        y = F.linear(x, self.weight[rows], None if self.bias is None else self.bias[rows])
+        return list(y.split([self.parts[n] for n in names[names.index(first) : names.index(last) + 1]], dim=-1))
+
+
 def make_norm(cfg: ModelConfig, dim: int, backend: Backend) -> RMSNorm:
     return RMSNorm(dim, cfg.rms_norm_eps, cfg.norm_offset, backend)
 
@@ -47,9 +80,8 @@ class Attention(nn.Module):
         self.gated = cfg.gated_attention
         bias = cfg.attention_bias
         q_out = cfg.num_heads * cfg.head_dim * (2 if self.gated else 1)
-        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        kv_out = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = PackedLinear(cfg.hidden_size, {"q_proj": q_out, "k_proj": kv_out, "v_proj": kv_out}, bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
         if cfg.qk_norm:
             self.q_norm = make_norm(cfg, cfg.head_dim, backend)
@@ -62,28 +94,29 @@ class Attention(nn.Module):
         n = getattr(self, norm) if self.qk_norm else None
         return self.backend.norm_rope(x, *cos_sin, None if n is None else n.weight, self.eps, self.norm_offset)
 
-    def project_kv(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-position K (normed, rotated) and V: all a cache slot holds."""
-        t = x.shape[0]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+    def _kv(self, k: torch.Tensor, v: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-position K (normed, rotated) and V from their projections: all a cache slot holds."""
+        t = k.shape[0]
+        k, v = k.view(t, self.num_kv_heads, self.head_dim), v.view(t, self.num_kv_heads, self.head_dim)
         return self._norm_rope(k, "k_norm", cos_sin), v
 
     def write_kv(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> None:
-        """Fill cache slots without attending (draft-prefill sparsification, DESIGN §4)."""
-        k, v = self.project_kv(x, cos_sin)
+        """Fill cache slots without attending (draft-prefill sparsification, DESIGN §4): the K / V
+        rows only, no query."""
+        k, v = self._kv(*self.qkv_proj.forward_parts(x, "k_proj", "v_proj"), cos_sin)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.write_slots)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         if self.gated:
             q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(t, -1)
         else:
             q = q.view(t, self.num_heads, self.head_dim)
         q = self._norm_rope(q, "q_norm", cos_sin)
-        k, v = self.project_kv(x, cos_sin)
+        k, v = self._kv(k, v, cos_sin)
         o = self.backend.attention(q, k, v, self.k_cache, self.v_cache, ctx, self.scale).reshape(t, -1)
         if self.gated:
             o = o * torch.sigmoid(gate)
@@ -91,7 +124,8 @@ class Attention(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """Qwen3-Next / Qwen3.5 linear attention. Projections are fused (qkvz, ba) or split (qkv, z, b, a)."""
+    """Qwen3-Next / Qwen3.5 linear attention. The checkpoint's input projections, fused (qkvz, ba) or
+    split (qkv, z, b, a), are packed into one ``in_proj``."""
 
     conv_state: torch.Tensor
     ssm_state: torch.Tensor
@@ -106,14 +140,10 @@ class GatedDeltaNet(nn.Module):
         self.kernel = cfg.linear_conv_kernel_dim
         self.fused = cfg.gdn_fused_projections
         h, key_dim, value_dim = cfg.hidden_size, self.hk * self.dk, self.hv * self.dv
-        if self.fused:
-            self.in_proj_qkvz = nn.Linear(h, 2 * key_dim + 2 * value_dim, bias=False)
-            self.in_proj_ba = nn.Linear(h, 2 * self.hv, bias=False)
-        else:
-            self.in_proj_qkv = nn.Linear(h, 2 * key_dim + value_dim, bias=False)
-            self.in_proj_z = nn.Linear(h, value_dim, bias=False)
-            self.in_proj_b = nn.Linear(h, self.hv, bias=False)
-            self.in_proj_a = nn.Linear(h, self.hv, bias=False)
+        parts = ({"in_proj_qkvz": 2 * key_dim + 2 * value_dim, "in_proj_ba": 2 * self.hv} if self.fused else
+                 {"in_proj_qkv": 2 * key_dim + value_dim, "in_proj_z": value_dim, "in_proj_b": self.hv,
+                  "in_proj_a": self.hv})
+        self.in_proj = PackedLinear(h, parts, bias=False)
         # HF stores the depthwise conv as Conv1d weight [C, 1, K]; keep that shape for loading.
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(cfg.gdn_conv_dim, 1, self.kernel))
@@ -128,14 +158,15 @@ class GatedDeltaNet(nn.Module):
         """Returns mixed_qkv [T, conv_dim] in [q | k | v] order, and z [T, G, R, Dv], b, a [T, G, R]
         as views (v-head h at ``[:, h // R, h % R]``; G = HK for the fused layout, 1 for the split one)."""
         t = x.shape[0]
+        parts = self.in_proj.split(self.in_proj(x))
         if not self.fused:
-            z = self.in_proj_z(x).view(t, 1, self.hv, self.dv)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x).view(t, 1, self.hv), self.in_proj_a(x).view(t, 1, self.hv)
+            mixed, z, b, a = parts
+            return mixed, z.view(t, 1, self.hv, self.dv), b.view(t, 1, self.hv), a.view(t, 1, self.hv)
         # Fused layout is grouped per key head: [q(Dk) k(Dk) v(r*Dv) z(r*Dv)] and [b(r) a(r)].
         r = self.hv // self.hk
-        qkvz = self.in_proj_qkvz(x).view(t, self.hk, 2 * self.dk + 2 * r * self.dv)
+        qkvz = parts[0].view(t, self.hk, 2 * self.dk + 2 * r * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(t, self.hk, 2 * r).split([r, r], dim=-1)
+        b, a = parts[1].view(t, self.hk, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return mixed, z.view(t, self.hk, r, self.dv), b, a
 

@@ -5,6 +5,8 @@ Checkpoint spellings handled here and nowhere else:
 - Qwen3.5 ``Qwen3_5MoeForConditionalGeneration`` keeps the LM under ``model.language_model.``;
 - routed experts stored per expert (``experts.{e}.gate_proj/up_proj/down_proj``) or packed
   (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); wmtp holds them packed;
+- projections of one input (q/k/v_proj, GDN in_proj_*) are stored apart; wmtp packs each group
+  into one ``PackedLinear`` (one GEMM) and the writer splits it back;
 - an MTP head may live in a separate ``mtp.safetensors`` next to a checkpoint that never had one.
 """
 
@@ -20,7 +22,7 @@ from pathlib import Path
 import torch
 from wmtp.config import ModelConfig
 from wmtp.errors import CheckpointError, ConfigError
-from wmtp.models.layers import GatedDeltaNet, RMSNorm
+from wmtp.models.layers import GatedDeltaNet, PackedLinear, RMSNorm
 from wmtp.models.model import CausalLM
 
 log = logging.getLogger("wmtp")
@@ -132,20 +134,36 @@ def _count_mtp_layers(names: list[str]) -> int:
 
 
 class _Target:
-    """Where one checkpoint tensor goes: a parameter, or one expert's slice of a packed parameter."""
+    """Where one checkpoint tensor goes: a parameter, or a piece (rows, or one expert's slice) of a
+    packed one; ``packed`` / ``piece`` name that parameter and the piece."""
 
-    def __init__(self, param: torch.Tensor, key: str, index: tuple = ()) -> None:
-        self.param, self.key, self.index = param, key, index
+    def __init__(self, param: torch.Tensor, key: str, index: tuple = (), piece: object = None) -> None:
+        self.param, self.key, self.index, self.piece = param, key, index, piece
 
     @property
     def view(self) -> torch.Tensor:
         return self.param[self.index] if self.index else self.param
 
 
+def packed_linear_parts(model: torch.nn.Module) -> dict[str, tuple[str, str, slice]]:
+    """Our name of every part of every ``PackedLinear`` tensor (``...self_attn.q_proj.weight``) ->
+    (the packed parameter's name, the part, its rows)."""
+    out = {}
+    for mname, m in model.named_modules():
+        if isinstance(m, PackedLinear):
+            parent = mname.rsplit(".", 1)[0]
+            for kind in ("weight", "bias"):
+                if getattr(m, kind) is not None:
+                    out.update({f"{parent}.{part}.{kind}": (f"{mname}.{kind}", part, m.rows(part)) for part in m.parts})
+    return out
+
+
 def _targets(model: CausalLM, ckpt_names: list[str]) -> dict[str, _Target]:
-    """Map checkpoint names to destinations (a parameter, or one expert's slice of a packed one)."""
+    """Map checkpoint names to destinations: a parameter, a packed projection's rows, or one
+    expert's slice of a packed expert tensor."""
     cfg = model.config
     params = dict(model.named_parameters())
+    parts = packed_linear_parts(model)
     prefix = lm_prefix(cfg)
     out: dict[str, _Target] = {}
     for name in ckpt_names:
@@ -153,27 +171,38 @@ def _targets(model: CausalLM, ckpt_names: list[str]) -> dict[str, _Target]:
         if ours in params:
             out[name] = _Target(params[ours], ours)
             continue
+        if ours in parts:
+            packed, part, rows = parts[ours]
+            out[name] = _Target(params[packed], packed, (rows,), part)
+            continue
         m = _EXPERT_RE.match(ours)
         if m and m.group(1) + ".gate_up_proj" in params:
             base, e, kind = m.group(1), int(m.group(2)), m.group(3)
-            packed = params[base + (".down_proj" if kind == "down_proj" else ".gate_up_proj")]
+            key = base + (".down_proj" if kind == "down_proj" else ".gate_up_proj")
+            packed = params[key]
             if e >= packed.shape[0]:
                 continue  # reported as unused: expert index beyond num_experts
             inter = packed.shape[1] // 2
             rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter), "down_proj": slice(None)}[kind]
-            out[name] = _Target(packed, f"{base}.{e}.{kind}", (e, rows))
+            out[name] = _Target(packed, key, (e, rows), (e, kind))
     return out
 
 
-def _missing_tensors(model: CausalLM, whole: set[str], pieces: dict[str, set[tuple[int, str]]]) -> list[str]:
-    """Checkpoint names of everything not loaded; per-expert gaps are named expert by expert."""
+def _missing_tensors(model: CausalLM, whole: set[str], pieces: dict[str, set]) -> list[str]:
+    """Checkpoint names of everything not loaded; per-expert and per-projection gaps are named one
+    by one."""
     cfg = model.config
+    by_packed: dict[str, list[tuple[str, str]]] = defaultdict(list)  # packed key -> [(part, our part name)]
+    for ours, (packed, part, _rows) in packed_linear_parts(model).items():
+        by_packed[packed].append((part, ours))
     missing = []
     for key, p in model.named_parameters():
         if key in whole or (key == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         name = _to_checkpoint_name(cfg, key)
-        if key.endswith(("experts.gate_up_proj", "experts.down_proj")) and key in pieces:
+        if key in by_packed:
+            missing += [_to_checkpoint_name(cfg, ours) for part, ours in by_packed[key] if part not in pieces[key]]
+        elif key.endswith(("experts.gate_up_proj", "experts.down_proj")) and key in pieces:
             kinds = ("down_proj",) if key.endswith("down_proj") else ("gate_proj", "up_proj")
             base = name.rsplit(".", 1)[0]
             missing += [f"{base}.{e}.{k}.weight" for e in range(p.shape[0]) for k in kinds
@@ -195,7 +224,7 @@ def load_weights(model: CausalLM, ckpt: Path, names: dict[str, Path]) -> None:
     cfg = model.config
     targets = _targets(model, list(names))
     whole: set[str] = set()  # parameters loaded as one tensor
-    pieces: dict[str, set[tuple[int, str]]] = defaultdict(set)  # packed key -> (expert, kind) loaded
+    pieces: dict[str, set] = defaultdict(set)  # packed key -> pieces loaded ((expert, kind) or part)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for n in targets:
         by_file[names[n]].append(n)
@@ -210,8 +239,7 @@ def load_weights(model: CausalLM, ckpt: Path, names: dict[str, Path]) -> None:
                     )
                 t.view.copy_(h.get_tensor(n).to(device=t.param.device, dtype=t.param.dtype))
                 if t.index:
-                    base, e, kind = t.key.rsplit(".", 2)
-                    pieces[_packed_key(t.key)].add((int(e), kind))
+                    pieces[t.key].add(t.piece)
                 else:
                     whole.add(t.key)
     missing = _missing_tensors(model, whole, pieces)
@@ -220,12 +248,6 @@ def load_weights(model: CausalLM, ckpt: Path, names: dict[str, Path]) -> None:
     unused = sorted(set(names) - set(targets))
     if unused:
         log.warning("%s: %d unused tensor(s) in the checkpoint, e.g. %s", ckpt, len(unused), unused[:4])
-
-
-def _packed_key(slice_key: str) -> str:
-    """``...experts.{e}.gate_proj`` -> ``...experts.gate_up_proj``; ``down_proj`` -> ``experts.down_proj``."""
-    base, _e, kind = slice_key.rsplit(".", 2)
-    return f"{base}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}"
 
 
 def load_checkpoint(
@@ -247,13 +269,25 @@ def load_checkpoint(
 # ---------------------------------------------------------------------------------------------
 # writing checkpoints
 # ---------------------------------------------------------------------------------------------
+def unpacked_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every ``PackedLinear`` tensor split back into its parts (row
+    views) under the parts' own names, as checkpoints and transformers modules hold them."""
+    parts: dict[str, list[tuple[str, slice]]] = defaultdict(list)
+    for part_name, (key, _part, rows) in packed_linear_parts(module).items():
+        parts[key].append((part_name, rows))
+    out: dict[str, torch.Tensor] = {}
+    for key, t in module.state_dict().items():
+        out.update({name: t[rows] for name, rows in parts[key]} if key in parts else {key: t})
+    return out
+
+
 def checkpoint_state(model: CausalLM, expert_layout: str = "per_expert") -> dict[str, torch.Tensor]:
     """The model's tensors under HF checkpoint names, experts per expert or packed."""
     if expert_layout not in ("per_expert", "packed"):
         raise ValueError(f"expert_layout={expert_layout!r}; supported: ['packed', 'per_expert']")
     cfg = model.config
     out: dict[str, torch.Tensor] = {}
-    for ours, p in model.state_dict().items():
+    for ours, p in unpacked_state_dict(model).items():
         name = _to_checkpoint_name(cfg, ours)
         if expert_layout == "per_expert" and ours.endswith(("experts.gate_up_proj", "experts.down_proj")):
             base = name.rsplit(".", 1)[0]

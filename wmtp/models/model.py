@@ -140,22 +140,15 @@ class CausalLM(nn.Module):
         """After a verify with ``record_states``: set each GDN layer's states in ``slots`` [B] to
         those after verify token ``accepted[b]`` (device tensors, no host sync: graph-capturable).
         The verify recorded into the engine's stacked record (``MemoryManager.bind``), so every
-        layer moves in one gather / scatter per state kind."""
+        layer moves in one backend op."""
         layers = self.gdn_layers()
         pools = getattr(self, "gdn_pools", None)
         if pools is None or pools.verify_states is None or any(
                 recorded[l.layer_idx][1].data_ptr() != pools.verify_states[i].data_ptr() for i, l in enumerate(layers)):
             raise RuntimeError("rollback_states: the verify did not record into the engine's stacked verify record "
                                "(GatedDeltaNet.verify_record, bound by MemoryManager.bind)")
-        B, n = recorded[layers[0].layer_idx][1].shape[:2]
-        rows = torch.arange(B, device=accepted.device) * n + accepted
-        pools.ssm[:, slots] = pools.verify_states[:, rows]
-        # conv state after token a = the K-1 inputs ending at window row a + K-1
-        k1 = pools.conv.shape[-1]
-        idx = (accepted[:, None] + 1 + torch.arange(k1, device=accepted.device))[None, :, :, None]
-        win = pools.verify_windows[:, :B]
-        conv = win.gather(2, idx.expand(win.shape[0], B, k1, win.shape[-1]))
-        pools.conv[:, slots] = conv.transpose(2, 3).to(pools.conv.dtype)
+        n = recorded[layers[0].layer_idx][1].shape[1]
+        self.backend.gdn_rollback(pools.conv, pools.ssm, pools.verify_states, pools.verify_windows, slots, accepted, n)
 
     # ---- cache views ----------------------------------------------------------------------
     def attention_layers(self) -> list[nn.Module]:
