@@ -51,10 +51,12 @@ def _case(seed: int, heads: int, kv_heads: int, dim: int, q_lens: list[int], sta
     return q, k, v, k_cache, v_cache, ctx
 
 
-def _compare(case, splits=None, atol=2e-5, **launch):
+def _compare(case, splits=None, atol=2e-5, gate=None, **launch):
     q, k, v, k_cache, v_cache, ctx = case
     scale = q.shape[-1] ** -0.5
-    want = TorchBackend().attention(q, k, v, k_cache, v_cache, ctx, scale)  # also writes k, v
+    want = TorchBackend().attention(q, k, v, k_cache, v_cache, ctx, scale, gate)  # also writes k, v
+    if gate is not None:
+        launch["gate"] = gate.to(DEVICE)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     ctx.device = DEVICE
     if isinstance(ctx.kv_slots, RingSlots):
@@ -77,6 +79,22 @@ def test_decode_and_verify_paged(heads, kv_heads, splits):
     """Target decode/verify: q_len 1..5 per request over scattered pages, no window."""
     case = _case(0, heads, kv_heads, 16, q_lens=[1, 5, 3], starts=[40, 7, 90], windows=[None] * 3, ring=False)
     _compare(case, splits)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_output_gate_in_the_attention_launch(splits):
+    """Qwen3-Next's ``o * sigmoid(gate)`` applied where the output is written (the merge, or the
+    single-split store), the gate a strided per-head view of the query projection."""
+    case = _case(2, 4, 2, 16, q_lens=[1, 5], starts=[40, 7], windows=[None] * 2, ring=False)
+    T = case[0].shape[0]
+    qg = torch.randn(T, 4, 32, generator=torch.Generator().manual_seed(9))  # per head [query | gate]
+    gate = qg.chunk(2, dim=-1)[1]
+    assert not gate.is_contiguous()
+    _compare(case, splits, gate=gate)
+    q, _, _, k_cache, v_cache, ctx = case
+    with pytest.raises(ValueError, match="paged_attention: gate"):
+        paged_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), AttentionMeta.from_context(ctx, q.device),
+                        1.0, gate=gate[:, :2].to(DEVICE))
 
 
 @pytest.mark.parametrize("block_n,num_warps,num_stages", [(16, 4, 1), (32, 8, 3)])

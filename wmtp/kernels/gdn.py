@@ -235,7 +235,7 @@ def conv_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
 def gdn_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     dt_bias: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, tok_off: torch.Tensor, q_len: torch.Tensor,
-    record: bool, record_into: torch.Tensor | None = None, block_v: int = 16,
+    record: bool, record_into: torch.Tensor | None = None, block_v: int = 16, num_warps: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q, k [T, HK, Dk] (v-head h reads k-head h // (HV / HK); strided views of the conv output are
     fine, they share strides); v [T, HV, Dv]; a, b [T, G, R] and A_log, dt_bias [HV] the gate inputs
@@ -245,7 +245,9 @@ def gdn_recurrent(
     place. Returns o [T, HV, Dv] and, with ``record``, the fp32 state after every token
     [T, HV, Dk, Dv] (written to ``record_into[:T]`` when given: the engine's preallocated verify
     states). ``block_v`` (a power of 2) is the value dims per program: smaller means more programs
-    (B * HV * Dv / block_v) over the same state bytes."""
+    (B * HV * Dv / block_v) over the same state bytes; ``num_warps`` per program. Defaults from
+    ``benchmarks/tune_gdn.py`` on the H200 (35B shape; tuning/tune_gdn_s7.json): 16 x 1 warp, 7.6
+    us for a d = 7 verify (10.8 us at 4 warps), 3.1 us for one token."""
     T, HK, DK = q.shape
     HV, DV = v.shape[1:]
     if DK & (DK - 1) or ssm_state.shape[1:] != (HV, DK, DV) or not ssm_state.is_contiguous() or HV % HK:
@@ -273,7 +275,7 @@ def gdn_recurrent(
         q, k, v, a, b, A_log, dt_bias, ssm_state, slots, tok_off, q_len, o, rec,
         HV, R, q.stride(0), q.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         ssm_state.stride(0), ssm_state.stride(1), DK**-0.5, L2NORM_EPS,
-        GROUP=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, RECORD=record,
+        GROUP=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, RECORD=record, num_warps=num_warps,
     )
     return o, rec if record else None
 

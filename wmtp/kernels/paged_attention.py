@@ -108,14 +108,21 @@ if triton is not None:
         return m_new, l_i, acc * alpha[:, None] + pv
 
     @triton.jit
+    def _gated(out, gate):
+        """``out * sigmoid(gate)`` rounded as the reference's ops are (each to the output dtype)."""
+        o = out.to(gate.dtype).to(tl.float32)
+        s = (1.0 / (1.0 + tl.exp(-gate.to(tl.float32)))).to(gate.dtype).to(tl.float32)
+        return o * s
+
+    @triton.jit
     def _attn_split_kernel(
-        Q, K, V, Out, OPart, MPart, LPart,
+        Q, K, V, Out, OPart, MPart, LPart, Gate,
         q_start_ptr, q_len_ptr, tok_off_ptr, win_ptr, table_ptr, table_stride,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_gt, stride_gh,
         stride_ps, stride_pt, stride_ph,
         num_q_blocks, num_splits, scale_log2e, page_size, sink, window, ring_mod,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-        RING: tl.constexpr, CONTIG: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+        RING: tl.constexpr, CONTIG: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr,
     ):
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -192,12 +199,16 @@ if triton is not None:
             tl.store(LPart + base // D, l_i, mask=row_ok)
         else:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            if GATED:
+                out = _gated(out, tl.load(Gate + tok[:, None] * stride_gt + head[:, None] * stride_gh + dims[None, :],
+                                          mask=row_ok[:, None], other=0.0))
             tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                      out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
-    def _merge_splits_kernel(OPart, MPart, LPart, Out, num_splits, rows, stride_ot, stride_oh, H,
-                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    def _merge_splits_kernel(OPart, MPart, LPart, Out, Gate, num_splits, rows, stride_ot, stride_oh, stride_gt,
+                             stride_gh, H, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                             GATED: tl.constexpr):
         """One program per (token, head) row and block of head dims; splits are walked in blocks
         of BLOCK_S (two passes: the global max, then the rescaled sums) so tiles stay small."""
         r = tl.program_id(0)
@@ -223,6 +234,8 @@ if triton is not None:
             acc += tl.sum(o * w[:, None], 0)
         total = tl.sum(denom, 0)
         out = acc / tl.where(total == 0.0, 1.0, total)
+        if GATED:
+            out = _gated(out, tl.load(Gate + tok * stride_gt + head * stride_gh + dims))
         tl.store(Out + tok * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty))
 
 
@@ -278,8 +291,11 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     max_rows: int = 64,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of q [T, H, D] over the cached keys (already written). Returns [T, H, D].
+    """Attention of q [T, H, D] over the cached keys (already written). Returns [T, H, D], times
+    ``sigmoid(gate)`` when ``gate`` [T, H, D] (any strides with a unit last one: Qwen3-Next's output
+    gate, a view into the query projection) is given, rounded as ``o * torch.sigmoid(gate)``.
 
     ``num_splits`` (default: about two programs per SM) cuts each request's keys;
     ``block_n`` / ``num_warps`` / ``num_stages`` / ``max_rows`` (query rows x GQA group per tile)
@@ -289,6 +305,8 @@ def paged_attention(
         raise RuntimeError("paged_attention needs triton (pip install 'wmtp[gpu]' or triton==3.6.0)")
     T, H, D = q.shape
     n_kv = k_cache.shape[1]
+    if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
+        raise ValueError(f"paged_attention: gate {tuple(gate.shape)} must match q {tuple(q.shape)} with unit stride on D")
     if H % n_kv or D & (D - 1) or D < 16:
         raise ValueError(f"paged_attention: heads {H} must be a multiple of kv heads {n_kv}; head_dim {D} a power of 2 >= 16")
     group = H // n_kv
@@ -323,20 +341,22 @@ def paged_attention(
         o_part = m_part = l_part = out  # unused
     q = q.contiguous()
     _attn_split_kernel[(B * num_q_blocks, n_kv, num_splits)](
-        q, k_cache, v_cache, out, o_part, m_part, l_part,
+        q, k_cache, v_cache, out, o_part, m_part, l_part, out if gate is None else gate,
         meta.q_start, meta.q_len, meta.tok_off, meta.windowed, meta.table, meta.table.stride(0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        *(gate.stride()[:2] if gate is not None else (0, 0)),
         T * H * D, H * D, D,
         num_q_blocks, num_splits, scale * 1.4426950408889634, meta.page_size, meta.sink, meta.window, meta.ring_mod,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, RING=meta.ring, CONTIG=contig, SPLIT=split,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, GATED=gate is not None,
         num_warps=num_warps or 4,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if split:
         block_d = min(D, 64)
         _merge_splits_kernel[(T * H, D // block_d)](
-            o_part, m_part, l_part, out, num_splits, T * H, out.stride(0), out.stride(1), H,
-            D=D, BLOCK_D=block_d, BLOCK_S=32,
+            o_part, m_part, l_part, out, out if gate is None else gate, num_splits, T * H, out.stride(0),
+            out.stride(1), *(gate.stride()[:2] if gate is not None else (0, 0)), H,
+            D=D, BLOCK_D=block_d, BLOCK_S=32, GATED=gate is not None,
         )
     return out

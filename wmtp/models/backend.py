@@ -56,11 +56,13 @@ class Backend(ABC):
         v_cache: torch.Tensor,
         ctx: ForwardContext,
         scale: float,
+        gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write k, v [T, kv_heads, D] into the caches at ``ctx.write_slots``, then attend.
 
         q: [T, heads, D]. Request b's queries see keys ``0..q`` (or its draft window) read from
-        the caches through ``ctx.kv_slots``. Returns [T, heads, D].
+        the caches through ``ctx.kv_slots``. Returns [T, heads, D], times ``sigmoid(gate)``
+        ([T, heads, D], Qwen3-Next's output gate) when given.
         """
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -167,7 +169,7 @@ class TorchBackend(Backend):
 
         return gated_rms_norm(x, gate.reshape(x.shape), weight, eps)
 
-    def attention(self, q, k, v, k_cache, v_cache, ctx, scale):
+    def attention(self, q, k, v, k_cache, v_cache, ctx, scale, gate=None):
         self.store_kv(k, v, k_cache, v_cache, ctx.write_slots)
         out = torch.empty_like(q)
         n_kv = k_cache.shape[1]
@@ -193,7 +195,7 @@ class TorchBackend(Backend):
             probs = torch.softmax(scores, dim=-1)
             ob = torch.einsum("kgns,skd->nkgd", probs, vb)
             out[lo : lo + n] = ob.reshape(n, -1, ob.shape[-1]).to(q.dtype)
-        return out
+        return out if gate is None else out * torch.sigmoid(gate)
 
     def gated_delta_net(self, mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, ssm_state, ctx, layer_idx,
                         dims, record_into=None):
@@ -275,16 +277,16 @@ class TritonBackend(TorchBackend):
     (``wmtp.kernels.moe``), the recurrent / fla-chunked gated delta rule (``wmtp.kernels.gdn``) and
     fused RMSNorms (``wmtp.kernels.norm``). fp64 (exactness tests) stays on the reference."""
 
-    def attention(self, q, k, v, k_cache, v_cache, ctx, scale):
+    def attention(self, q, k, v, k_cache, v_cache, ctx, scale, gate=None):
         if q.dtype == torch.float64:
-            return super().attention(q, k, v, k_cache, v_cache, ctx, scale)
+            return super().attention(q, k, v, k_cache, v_cache, ctx, scale, gate)
         from wmtp.kernels.paged_attention import AttentionMeta, paged_attention
 
         self.store_kv(k, v, k_cache, v_cache, ctx.write_slots)
         meta = ctx.backend_cache.get("attention_meta")
         if meta is None:  # built once per forward, shared by every attention layer
             meta = ctx.backend_cache["attention_meta"] = AttentionMeta.from_context(ctx, q.device)
-        return paged_attention(q, k_cache, v_cache, meta, scale)
+        return paged_attention(q, k_cache, v_cache, meta, scale, gate=gate)
 
     def store_kv(self, k, v, k_cache, v_cache, slots):
         if k.dtype == torch.float64:

@@ -110,17 +110,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        if self.gated:
+        gate = None
+        if self.gated:  # per head [query | gate]; the gate stays a view, applied by the attention op
             q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(t, -1)
         else:
             q = q.view(t, self.num_heads, self.head_dim)
         q = self._norm_rope(q, "q_norm", cos_sin)
         k, v = self._kv(k, v, cos_sin)
-        o = self.backend.attention(q, k, v, self.k_cache, self.v_cache, ctx, self.scale).reshape(t, -1)
-        if self.gated:
-            o = o * torch.sigmoid(gate)
-        return self.o_proj(o)
+        o = self.backend.attention(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, gate)
+        return self.o_proj(o.reshape(t, -1))
 
 
 class GatedDeltaNet(nn.Module):

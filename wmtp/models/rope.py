@@ -239,6 +239,8 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq, scaling = rope_inv_freq(rope, head_dim, max_position_embeddings)
         self._inv_freq_fp32 = inv_freq  # master copy: dtype casts of the module must not touch it
         self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
+        # [inv_freq, inv_freq]: cos / sin come out at full rot_dim width with no cat (3 kernels, not 6)
+        self.register_buffer("inv_freq2", torch.cat((inv_freq, inv_freq)), persistent=False)
         self.attention_scaling: float = scaling
         self.head_dim: int = head_dim
         self.rot_dim: int = 2 * inv_freq.numel()
@@ -247,17 +249,18 @@ class RotaryEmbedding(torch.nn.Module):
         """Follow device moves but keep inv_freq fp32 (e.g. through ``module.to(torch.bfloat16)``)."""
         super()._apply(fn, recurse)
         self.inv_freq = self._inv_freq_fp32.to(self.inv_freq.device)
+        self.inv_freq2 = torch.cat((self.inv_freq, self.inv_freq))
         return self
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """``positions`` (int, any shape, e.g. ``[T]``) -> (cos, sin) of shape ``[*positions.shape, rot_dim]``."""
-        inv_freq = self.inv_freq
-        # fp32 outer product: position ids are exact in fp32 up to 2**24
-        freqs = positions.to(device=inv_freq.device, dtype=torch.float32).unsqueeze(-1) * inv_freq
+        inv_freq = self.inv_freq2
+        # fp32 outer product (the int positions promote to fp32 inside the multiply: exact up to 2**24)
+        freqs = positions.to(inv_freq.device).unsqueeze(-1) * inv_freq
         cos, sin = freqs.cos(), freqs.sin()
         if self.attention_scaling != 1.0:
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
-        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return cos, sin
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, rot_dim={self.rot_dim}, attention_scaling={self.attention_scaling}"
