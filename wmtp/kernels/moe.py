@@ -180,8 +180,7 @@ def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, x: torch.
         _route_topk_kernel[(T,)](logits.contiguous(), w, i, xs, shared_gate if shared else w, w if sl is None else sl,
                                  E, hid, TOP_K=top_k, K_P=triton.next_power_of_2(top_k), NORM=norm_topk_prob,
                                  SHARED=shared, BLOCK_E=triton.next_power_of_2(E),
-                                 BLOCK_H=min(1024, triton.next_power_of_2(hid)),
-                                 num_warps=1)  # ~20 dependent reductions over E: kept inside one warp
+                                 BLOCK_H=min(1024, triton.next_power_of_2(hid)))
     return Routing(w, i, sl)
 
 
