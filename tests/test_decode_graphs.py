@@ -114,6 +114,20 @@ def test_overlapped_iterations_match_synchronous_ones():
     assert overlapped > 0, "no iteration was collected while the next one was in flight"
 
 
+def test_a_batch_returning_to_an_earlier_graph_set_reloads():
+    """[A] runs on the B = 1 set, [A, B] on the B = 2 set, B finishes, [A] is back on the B = 1 set:
+    that set must reload A's rows (its device L and draft state are an iteration set behind)."""
+    prompts, lens = _prompts(2, seed=5), [14, 3]
+    runs = {}
+    for graphs in ("off", GRAPHS):
+        llm = _llm("tiny-llama", "native", graphs)
+        force_acceptance(llm.engine, 2)
+        runs[graphs] = _staggered(llm, prompts, lens)
+        if graphs == GRAPHS:
+            assert set(llm.engine.graphs) == {1, 2}, "the batches did not use both graph sets"
+    assert runs["off"] == runs[GRAPHS]
+
+
 def test_device_slot_lookup_matches_the_host():
     """``batch_slots`` (what the graphs derive on the device) against ``slots`` row by row, with
     positions past the reserved pages, negative ones and inactive ring rows sent to the trash."""

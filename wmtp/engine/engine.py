@@ -433,6 +433,9 @@ class Engine:
         t0 = time.perf_counter()
         if pt is not None:
             pt.start()
+        for other in self.graphs.values():  # this iteration advances the requests behind their backs
+            if other is not graphs:
+                other.loaded = None
         graphs.load(reqs, self.forced_accept)
         if self.spec.gamma:
             graphs.run("chain")
