@@ -294,8 +294,7 @@ class Engine:
         if graphs is not None:
             return self._iteration_static(reqs, graphs)
         self._drain()
-        for g in self.graphs.values():  # this iteration advances the requests behind their backs
-            g.loaded = None
+        self._forget_rows()
         t0 = time.perf_counter()
         if (pt := self.phase_timer) is not None:
             pt.start()
@@ -433,9 +432,7 @@ class Engine:
         t0 = time.perf_counter()
         if pt is not None:
             pt.start()
-        for other in self.graphs.values():  # this iteration advances the requests behind their backs
-            if other is not graphs:
-                other.loaded = None
+        self._forget_rows(keep=graphs)
         graphs.load(reqs, self.forced_accept)
         if self.spec.gamma:
             graphs.run("chain")
@@ -460,6 +457,13 @@ class Engine:
         self._collect(launched)
         if pt is not None:
             pt.mark("verify_ovh")  # emission and metrics (host, after the sync)
+
+    def _forget_rows(self, keep: DecodeGraphs | None = None) -> None:
+        """The graph sets other than ``keep`` reload their rows on next use: the iteration about to
+        run advances the requests without them."""
+        for g in self.graphs.values():
+            if g is not keep:
+                g.loaded = None
 
     def _drain(self) -> None:
         """Collect the iteration in flight, if any."""

@@ -119,12 +119,10 @@ class DecodeGraphs:
         self.loaded: tuple | None = None  # (request ids in row order, forced) of the rows on the device
         self._build_contexts()
         self.graphs: dict[str, Callable[[], None]] = {}
-        first, last = ("chain", "extend") if self.gamma else ("verify", "verify")
         fns = {"verify": self._verify}
         if self.gamma:
             fns.update(chain=self._chain, accept=self._accept, extend=self._extend)
         for name, fn in fns.items():
-            fn = _framed(fn, self._stage if name == first else None, self._advance if name == last else None)
             self.graphs[name] = self._capture(fn, pool) if capture else self._warm(fn)
         self._fill_safe()
 
@@ -229,6 +227,7 @@ class DecodeGraphs:
     # ---- the forwards (captured once; they only read and write static buffers) ----------------
     @torch.no_grad()
     def _chain(self) -> None:
+        self._stage()
         model = self.eng.model
         ids, hid = self.next_d1, self.next_hidden  # the extend rewrites next_hidden only after the chain
         self.drafts[:, 0] = ids
@@ -239,13 +238,18 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def _verify(self) -> None:
+        """(Dense mode: the whole iteration, its staging and advance included.)"""
         model = self.eng.model
+        if not self.gamma:
+            self._stage()
         self.ver_ids[:, 0] = self.stage.view("ver_x")
         if self.gamma:
             self.ver_ids[:, 1:] = self.drafts
         hidden = model(self.ver_ids.view(-1), self.ver_ctx)
         self.ver_hidden.copy_(hidden)
         self.target.copy_(model.compute_logits(hidden).argmax(-1).view(self.B, self.d))
+        if not self.gamma:
+            self._advance()
 
     @torch.no_grad()
     def _accept(self) -> None:
@@ -272,6 +276,7 @@ class DecodeGraphs:
         last = out[torch.arange(self.B, device=a.device) * d + a]
         self.next_hidden.copy_(last)
         self.next_d1.copy_(model.compute_logits(last).argmax(-1))
+        self._advance()
 
     def _capture(self, fn: Callable[[], None], pool) -> Callable[[], None]:
         self._fill_safe()
@@ -338,19 +343,3 @@ class DecodeGraphs:
         g1, d = max(self.gamma, 1), self.d
         return ([r[: self.gamma] for r in rows], [r[g1 : g1 + d] for r in rows], [r[g1 + d] for r in rows],
                 [r[g1 + d + 1] for r in rows], [r[g1 + d + 2] for r in rows])
-
-
-def _framed(fn: Callable[[], None], before: Callable[[], None] | None, after: Callable[[], None] | None
-            ) -> Callable[[], None]:
-    """``fn`` with the iteration's staging before it / advance after it (inside the same graph)."""
-    if before is None and after is None:
-        return fn
-
-    def framed() -> None:
-        if before is not None:
-            before()
-        fn()
-        if after is not None:
-            after()
-
-    return framed

@@ -331,6 +331,7 @@ def paged_attention(
         num_splits = min(max_splits, max(1, math.ceil(2 * _num_sms(q.device) / programs)))
     num_splits = max(1, min(num_splits, max_splits))
     out = torch.empty_like(q)
+    gate_strides = gate.stride()[:2] if gate is not None else (0, 0)
     split = num_splits > 1
     contig = not meta.ring and not meta.may_window and meta.page_size % block_n == 0
     if split:
@@ -344,7 +345,7 @@ def paged_attention(
         q, k_cache, v_cache, out, o_part, m_part, l_part, out if gate is None else gate,
         meta.q_start, meta.q_len, meta.tok_off, meta.windowed, meta.table, meta.table.stride(0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
-        *(gate.stride()[:2] if gate is not None else (0, 0)),
+        *gate_strides,
         T * H * D, H * D, D,
         num_q_blocks, num_splits, scale * 1.4426950408889634, meta.page_size, meta.sink, meta.window, meta.ring_mod,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, RING=meta.ring, CONTIG=contig, SPLIT=split,
@@ -356,7 +357,7 @@ def paged_attention(
         block_d = min(D, 64)
         _merge_splits_kernel[(T * H, D // block_d)](
             o_part, m_part, l_part, out, out if gate is None else gate, num_splits, T * H, out.stride(0),
-            out.stride(1), *(gate.stride()[:2] if gate is not None else (0, 0)), H,
+            out.stride(1), *gate_strides, H,
             D=D, BLOCK_D=block_d, BLOCK_S=32, GATED=gate is not None,
         )
     return out
