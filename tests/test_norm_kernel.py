@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from wmtp.kernels.norm import add_rms_norm, norm_rope, rms_norm  # noqa: E402
+from wmtp.kernels.norm import add_rms_norm, embed_norm_cat, norm_rope, rms_norm  # noqa: E402
 from wmtp.kernels.torch_gdn import gated_rms_norm  # noqa: E402
 from wmtp.models.backend import TorchBackend  # noqa: E402
 
@@ -30,6 +30,25 @@ def test_rms_norm_matches_reference(shape, offset, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: a couple of ulps (fp32 sums in another order)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [False, True])
+def test_embed_norm_cat_matches_reference(offset, dtype):
+    """The MTP fc input in one launch: the embedding rows of (strided) ids and the hidden states,
+    each normed with its own weight, side by side."""
+    g = torch.Generator().manual_seed(2)
+    embed = (torch.randn(50, 96, generator=g) * 2).to(DEVICE, dtype)
+    hidden = torch.randn(4, 96, generator=g).to(DEVICE, dtype)
+    w_e, w_h = ((torch.randn(96, generator=g) * 0.3 + (0 if offset else 1)).to(DEVICE, dtype) for _ in range(2))
+    ids = torch.tensor([[3, 0], [49, 0], [3, 0], [17, 0]], device=DEVICE)[:, 0]  # a strided column, a repeat
+    want = TorchBackend().embed_norm_cat(ids, embed, hidden, w_e, w_h, 1e-6, offset)
+    got = embed_norm_cat(ids, embed, hidden, w_e, w_h, 1e-6, offset)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.shape == (4, 192) and got.dtype == want.dtype
+    assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+    with pytest.raises(ValueError, match=r"embed_norm_cat: ids \(3,\)"):
+        embed_norm_cat(ids[:3], embed, hidden, w_e, w_h, 1e-6, offset)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

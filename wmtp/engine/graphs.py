@@ -66,6 +66,12 @@ class _Staging:
         o = self.offsets[name]
         return self.dev[o : o + math.prod(self.shapes[name])].view(self.shapes[name])
 
+    def span(self, first: str, last: str) -> torch.Tensor:
+        """The flat device run of the fields from ``first`` through ``last`` (in layout order)."""
+        if self.offsets[last] < self.offsets[first]:
+            raise ValueError(f"_Staging.span: field {last!r} is laid out before {first!r}")
+        return self.dev[self.offsets[first] : self.offsets[last] + math.prod(self.shapes[last])]
+
     def set(self, name: str, flat: list[int]) -> None:
         o = self.offsets[name]
         self.values[o : o + len(flat)] = flat
@@ -90,9 +96,14 @@ class DecodeGraphs:
         # pages (reserved target / draft pages); the rest is derived on the device by _stage
         self.stage = _Staging({
             "length": (B,), "ver_x": (B,), "state": (B,), "forced": (B,), "pages": (B,), "draft_pages": (B,),
-            "chain_pos": (g, B), "chain_slot": (g, B), "windowed": (B,), "ver_pos": (B, d), "ver_slot": (B, d),
+            "ver_pos": (B, d), "chain_pos": (g, B), "chain_slot": (g, B), "windowed": (B,), "ver_slot": (B, d),
             "ver_start": (B,), "ext_slot": (B, d),
         }, dev)
+        # RoPE (cos, sin) of every forward's positions, computed once per iteration by _stage:
+        # rows [0, B·d) the verify's and the extend's (same positions), then the chain steps' B each
+        rot = engine.model.rotary.rot_dim
+        self.rope_pos = self.stage.span("ver_pos", "chain_pos")
+        self.rope_cos_sin = tuple(torch.zeros(B * d + g * B, rot, device=dev) for _ in range(2))
         max_pages = mem.pages_for(engine.eng.max_model_len + spec.num_draft_tokens)
         self.target_table = torch.zeros(B, max_pages, dtype=torch.int32, device=dev)
         self.ring = spec.uses_ring
@@ -162,14 +173,21 @@ class DecodeGraphs:
         a = self.stage
         self.ver_ctx = self._ctx(self.d, a.view("ver_pos"), a.view("ver_slot"), self._lens(a.view("ver_start"), self.d),
                                  target=True, record=self.gamma > 0)
+        self.ver_ctx.rope = self._rope_rows(0, self.B * self.d)
         self.ver_ids = torch.zeros(self.B, self.d, dtype=torch.int64, device=self.eng.device)
         if not self.gamma:
             return
         self.chain_ctx = [self._ctx(1, a.view("chain_pos")[i], a.view("chain_slot")[i],
                                     self._lens(a.view("chain_pos")[i], 1), target=False)
                           for i in range(self.gamma - 1)]
+        for i, ctx in enumerate(self.chain_ctx):
+            ctx.rope = self._rope_rows(self.B * (self.d + i), self.B)
         self.ext_ctx = self._ctx(self.d, a.view("ver_pos"), self.ext_slot,
                                  self._lens(a.view("ver_start"), self.ext_len), target=False)
+        self.ext_ctx.rope = self.ver_ctx.rope
+
+    def _rope_rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope_cos_sin[0][start : start + n], self.rope_cos_sin[1][start : start + n]
 
     def _fill_safe(self) -> None:
         """Every row inactive (L = 0): all writes go to the trash slots (warm-up, capture, and any
@@ -214,6 +232,7 @@ class DecodeGraphs:
                 chain_pos = (Lc - 2)[None, :] + self.chain_steps  # [γ-1, B]: step i writes L-2+i
                 a.view("chain_pos").copy_(chain_pos)
                 a.view("chain_slot").copy_(self._draft_slots(chain_pos.T, active).T)
+        self.eng.model.rotary(self.rope_pos, out=self.rope_cos_sin)
 
     @torch.no_grad()
     def _advance(self) -> None:
@@ -233,8 +252,7 @@ class DecodeGraphs:
         self.drafts[:, 0] = ids
         for i, ctx in enumerate(self.chain_ctx, start=1):
             hid = model.mtp_forward(ids, hid, ctx)
-            ids = model.compute_logits(hid).argmax(-1)
-            self.drafts[:, i] = ids
+            ids = model.backend.argmax(model.compute_logits(hid), out=self.drafts[:, i])
 
     @torch.no_grad()
     def _verify(self) -> None:
@@ -247,7 +265,7 @@ class DecodeGraphs:
             self.ver_ids[:, 1:] = self.drafts
         hidden = model(self.ver_ids.view(-1), self.ver_ctx)
         self.ver_hidden.copy_(hidden)
-        self.target.copy_(model.compute_logits(hidden).argmax(-1).view(self.B, self.d))
+        model.backend.argmax(model.compute_logits(hidden), out=self.target)
         if not self.gamma:
             self._advance()
 
@@ -275,7 +293,7 @@ class DecodeGraphs:
         out = model.mtp_forward(self.ext_ids.view(-1), self.ver_hidden, self.ext_ctx)
         last = out[torch.arange(self.B, device=a.device) * d + a]
         self.next_hidden.copy_(last)
-        self.next_d1.copy_(model.compute_logits(last).argmax(-1))
+        model.backend.argmax(model.compute_logits(last), out=self.next_d1)
         self._advance()
 
     def _capture(self, fn: Callable[[], None], pool) -> Callable[[], None]:

@@ -18,3 +18,16 @@ class SharedExpert(NamedTuple):
     up_proj: torch.Tensor
     down_proj: torch.Tensor
     gate: torch.Tensor
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters for launches whose last-arriving program of a group finishes the
+    group's work (and zeroes its counter again). Kept per device across launches and CUDA-graph
+    replays; such launches run on one stream at a time, as the engine's do."""
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < n:
+        c = _COUNTERS[device] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
+    return c

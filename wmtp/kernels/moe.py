@@ -6,7 +6,8 @@ the cost is reading the chosen experts' weights; what PyTorch adds around it (so
 renormalise, repeat the tokens per pair, silu·mul, weight, sum, the shared expert's gate) is a
 dozen tiny kernels per layer, which dominate a CUDA-graph replay at B = 1. Here:
 
-- ``route_topk``: softmax over the router logits, top-k by repeated arg-max, renormalise (fp32);
+- ``route_topk``: softmax over the router logits, top-k by repeated max of packed (probability,
+  index) keys, renormalise (fp32);
   and the shared expert's gate logit (a [H] dot per token).
 - ``swiglu_gemv_with_shared``: ``silu(W_gate[e] x) * (W_up[e] x)`` per pair, the token row read
   as ``p // top_k`` (no repeated copy of x), and in the same launch T more rows, one per token,
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from wmtp.kernels.common import SharedExpert
+from wmtp.kernels.linear import linear_tiles, skinny_linear
 
 try:
     import triton
@@ -60,15 +62,19 @@ if triton is not None:
         p = tl.exp(z - tl.max(z, 0))
         p = p / tl.sum(p, 0)
         p = tl.where(es < E, p, -1.0)
+        # one max per pick: key = (p's bits, then BLOCK_E-1-index) as int64, which orders by p (>= 0,
+        # so its bits order as ints) and then the lowest index first among ties (as torch.topk);
+        # padding (p = -1) has a negative key
+        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - es).to(tl.int64)
         ks = tl.arange(0, K_P)
         sel_w = tl.zeros([K_P], tl.float32)
         sel_i = tl.zeros([K_P], tl.int32)
-        for i in tl.static_range(TOP_K):  # descending, lowest index first among ties (as torch.topk)
-            m = tl.max(p, 0)
-            j = tl.min(tl.where(p == m, es, BLOCK_E), 0)
-            sel_w = tl.where(ks == i, m, sel_w)
+        for i in tl.static_range(TOP_K):  # descending
+            k = tl.max(key, 0)
+            j = BLOCK_E - 1 - (k & 0xFFFFFFFF).to(tl.int32)
+            sel_w = tl.where(ks == i, (k >> 32).to(tl.int32).to(tl.float32, bitcast=True), sel_w)
             sel_i = tl.where(ks == i, j, sel_i)
-            p = tl.where(es == j, -2.0, p)
+            key = tl.where(es == j, -1, key)
         if NORM:
             sel_w = sel_w / tl.sum(sel_w, 0)
         tl.store(W_OUT + t * TOP_K + ks, sel_w, mask=ks < TOP_K)
@@ -304,9 +310,11 @@ def shared_expert_reference(x: torch.Tensor, shared: SharedExpert) -> torch.Tens
 def moe_gemv(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
              norm_topk_prob: bool, shared: SharedExpert | None = None) -> torch.Tensor:
     """Same contract as ``Backend.moe`` (softmax router, top-k SwiGLU experts, optional shared
-    expert) at decode sizes: the router GEMM and three launches (route + shared gate, routed and
-    shared SwiGLU, down projections + combine)."""
-    r = route_topk(F.linear(x, router_weight), top_k, norm_topk_prob, x, None if shared is None else shared.gate)
+    expert) at decode sizes: the router GEMM (the skinny kernel where ``linear_tiles`` takes it)
+    and three launches (route + shared gate, routed and shared SwiGLU, down projections + combine)."""
+    tiles = linear_tiles(x.shape[0], *router_weight.shape)
+    logits = F.linear(x, router_weight) if tiles is None else skinny_linear(x, router_weight, tiles=tiles)
+    r = route_topk(logits, top_k, norm_topk_prob, x, None if shared is None else shared.gate)
     inter = down.shape[-1]
     gate, up, idx = gate_up[:, :inter], gate_up[:, inter:], r.experts.view(-1)
     if shared is None:

@@ -22,6 +22,17 @@ except ImportError:  # pragma: no cover
 if triton is not None:
 
     @triton.jit
+    def _rms_row(x, W, OUT, cols, ok, D, eps, OFFSET: tl.constexpr):
+        """One row ``x`` (fp32, masked lanes 0) RMS-normed and weighted by ``W[cols]``, rounded as
+        the reference rounds for an output of OUT's dtype; returned in fp32."""
+        h = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+        if OFFSET:
+            return h * (1.0 + w)
+        # the reference casts the norm to the input dtype before the weight multiply
+        return (h.to(OUT.dtype.element_ty).to(tl.float32) * w).to(W.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
     def _rms_norm_kernel(X, W, Z, RES, SUM_OUT, OUT, D, eps, z_n1, z_n2, z_s0, z_s1, z_s2, OFFSET: tl.constexpr,
                          GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -31,19 +42,25 @@ if triton is not None:
         if RESIDUAL:  # x + residual, rounded to the activation dtype as the reference's add is
             x = x + tl.load(RES + row * D + cols, mask=ok, other=0.0)
             tl.store(SUM_OUT + row * D + cols, x, mask=ok)
-        x = x.to(tl.float32)
-        h = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-        if OFFSET:
-            y = h * (1.0 + w)
-        else:  # the reference casts the norm to the input dtype before the weight multiply
-            y = (h.to(OUT.dtype.element_ty).to(tl.float32) * w).to(W.dtype.element_ty).to(tl.float32)
+        y = _rms_row(x.to(tl.float32), W, OUT, cols, ok, D, eps, OFFSET)
         if GATED:
             # gate row = (i0, i1, i2) of a [n0, n1, n2, D] strided view (e.g. z inside the fused projection)
             z_row = Z + (row // (z_n1 * z_n2)) * z_s0 + (row // z_n2 % z_n1) * z_s1 + (row % z_n2) * z_s2
             z = tl.load(z_row + cols, mask=ok, other=0.0).to(tl.float32)
             y = y * (z / (1.0 + tl.exp(-z)))
         tl.store(OUT + row * D + cols, y.to(OUT.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _embed_norm_cat_kernel(IDS, E, HID, WE, WH, OUT, D, stride_ids, eps, OFFSET: tl.constexpr,
+                               BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1)  # 0: the token's embedding row, 1: its hidden state
+        cols = tl.arange(0, BLOCK_D)
+        ok = cols < D
+        row = tl.where(part == 0, E + tl.load(IDS + t * stride_ids) * D, HID + t * D)
+        x = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
+        y = _rms_row(x, tl.where(part == 0, WE, WH), OUT, cols, ok, D, eps, OFFSET)
+        tl.store(OUT + (2 * t + part) * D + cols, y.to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _normed(X, W, idx, ok, rstd, NORM: tl.constexpr, OFFSET: tl.constexpr):
@@ -126,6 +143,23 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, x2, r2, summed, out, D, eps, 1, 1, D, 0, 0, OFFSET=offset,
                                          GATED=False, RESIDUAL=True, BLOCK_D=triton.next_power_of_2(D))
     return out.view(x.shape), summed.view(x.shape)
+
+
+def embed_norm_cat(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, w_e: torch.Tensor,
+                   w_h: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """``cat(rms_norm(embed[ids], w_e), rms_norm(hidden, w_h))`` [T, 2D] in one launch: the MTP
+    layer's fc input (an embedding lookup, two norms and a cat in PyTorch). ids [T] (int);
+    embed [V, D]; hidden [T, D]; w_e, w_h [D]. ids may be strided (a column of an output buffer)."""
+    T, D = hidden.shape
+    if ids.shape != (T,) or embed.dim() != 2 or embed.shape[1] != D or w_e.shape != (D,) or w_h.shape != (D,) \
+            or embed.dtype != hidden.dtype:
+        raise ValueError(f"embed_norm_cat: ids {tuple(ids.shape)}, embed {tuple(embed.shape)} {embed.dtype}, hidden "
+                         f"{tuple(hidden.shape)} {hidden.dtype}, w_e {tuple(w_e.shape)}, w_h {tuple(w_h.shape)} disagree")
+    out = torch.empty(T, 2 * D, device=hidden.device, dtype=hidden.dtype)
+    if T:
+        _embed_norm_cat_kernel[(T, 2)](ids, embed.contiguous(), hidden.contiguous(), w_e, w_h, out, D, ids.stride(0),
+                                       eps, OFFSET=offset, BLOCK_D=triton.next_power_of_2(D))
+    return out
 
 
 def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float,

@@ -41,6 +41,22 @@ class Backend(ABC):
             x = self.rms_norm(x, weight, eps, offset)
         return apply_rotary(x, cos, sin)
 
+    def embed_norm_cat(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, w_e: torch.Tensor,
+                       w_h: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+        """The MTP layer's fc input: ``cat(rms_norm(embed[ids], w_e), rms_norm(hidden, w_h))`` [T, 2H]."""
+        return torch.cat([self.rms_norm(F.embedding(ids, embed), w_e, eps, offset),
+                          self.rms_norm(hidden, w_h, eps, offset)], dim=-1)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear``: the model's projections (not the lm_head)."""
+        return F.linear(x, weight, bias)
+
+    def argmax(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy choice ``logits.argmax(-1)`` of logits [T, V] as int64, written into ``out`` ([T],
+        or [B, n] with B·n = T) when given; returns it."""
+        ids = logits.argmax(-1)
+        return ids if out is None else out.copy_(ids.view(out.shape))
+
     @abstractmethod
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """GDN's output norm: ``weight * rmsnorm(x) * silu(gate)`` over the last dim. x [T, HV, D];
@@ -308,6 +324,28 @@ class TritonBackend(TorchBackend):
         from wmtp.kernels.norm import add_rms_norm
 
         return add_rms_norm(x, residual, weight, eps, offset)
+
+    def embed_norm_cat(self, ids, embed, hidden, w_e, w_h, eps, offset):
+        if hidden.dtype == torch.float64:
+            return super().embed_norm_cat(ids, embed, hidden, w_e, w_h, eps, offset)
+        from wmtp.kernels.norm import embed_norm_cat
+
+        return embed_norm_cat(ids, embed, hidden, w_e, w_h, eps, offset)
+
+    def linear(self, x, weight, bias=None):
+        from wmtp.kernels.linear import linear_tiles, skinny_linear
+
+        tiles = linear_tiles(x.numel() // max(x.shape[-1], 1), weight.shape[0], weight.shape[1])
+        if tiles is None or x.dtype == torch.float64 or weight.dtype != x.dtype or weight.stride(-1) != 1:
+            return F.linear(x, weight, bias)
+        return skinny_linear(x, weight, bias, tiles)
+
+    def argmax(self, logits, out=None):
+        if logits.dtype == torch.float64:
+            return super().argmax(logits, out)
+        from wmtp.kernels.argmax import argmax_rows
+
+        return argmax_rows(logits, out)
 
     def norm_rope(self, x, cos, sin, weight, eps, offset):
         if x.dtype == torch.float64:

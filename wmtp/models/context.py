@@ -81,6 +81,9 @@ class ForwardContext:
     recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # Per-forward data a backend derives once and every layer reuses (e.g. kernel metadata).
     backend_cache: dict[str, object] = field(default_factory=dict)
+    # (cos, sin) of ``positions`` when the caller computed them already (the static decode path
+    # computes every forward's at the start of the iteration, in one go); None: the model does.
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if len(self.q_starts) != len(self.q_lens):

@@ -33,14 +33,26 @@ class RMSNorm(nn.Module):
         return self.backend.add_rms_norm(x, residual, self.weight, self.eps, self.offset)
 
 
-class PackedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """``nn.Linear`` whose forward is the backend's ``linear`` (decode-sized inputs may take a
+    kernel instead of cuBLAS)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, backend: Backend) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.linear(x, self.weight, self.bias)
+
+
+class PackedLinear(Linear):
     """Several projections of the same input stored as one weight, their rows in ``parts`` order
     (name -> out features), so a forward runs one GEMM: at decode sizes each launch costs more than
     the bytes it reads. Checkpoints keep the parts apart: the loader maps ``<parent>.<part>.weight``
     (and ``.bias``) to ``rows(part)`` of this module's tensors, and the writer splits them back."""
 
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(parts.values()), bias=bias)
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, backend: Backend) -> None:
+        super().__init__(in_features, sum(parts.values()), bias, backend)
         self.parts = dict(parts)
 
     def rows(self, part: str) -> slice:
@@ -59,8 +71,16 @@ class PackedLinear(nn.Linear):
         """Only the adjacent parts ``first`` .. ``last``, from one GEMM over their rows."""
         rows = slice(self.rows(first).start, self.rows(last).stop)
         names = list(self.parts)
-        y = F.linear(x, self.weight[rows], None if self.bias is None else self.bias[rows])
+        y = self.backend.linear(x, self.weight[rows], None if self.bias is None else self.bias[rows])
         return list(y.split([self.parts[n] for n in names[names.index(first) : names.index(last) + 1]], dim=-1))
+
+
+def embed_norm_cat(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, norm_e: RMSNorm,
+                   norm_h: RMSNorm) -> torch.Tensor:
+    """``cat(norm_e(embed[ids]), norm_h(hidden))`` (the MTP fc's input) as one backend op."""
+    if (norm_e.eps, norm_e.offset) != (norm_h.eps, norm_h.offset):
+        raise ValueError("embed_norm_cat: the two norms must share eps and the offset form")
+    return norm_e.backend.embed_norm_cat(ids, embed, hidden, norm_e.weight, norm_h.weight, norm_e.eps, norm_e.offset)
 
 
 def make_norm(cfg: ModelConfig, dim: int, backend: Backend) -> RMSNorm:
@@ -81,8 +101,9 @@ class Attention(nn.Module):
         bias = cfg.attention_bias
         q_out = cfg.num_heads * cfg.head_dim * (2 if self.gated else 1)
         kv_out = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = PackedLinear(cfg.hidden_size, {"q_proj": q_out, "k_proj": kv_out, "v_proj": kv_out}, bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
+        self.qkv_proj = PackedLinear(cfg.hidden_size, {"q_proj": q_out, "k_proj": kv_out, "v_proj": kv_out}, bias,
+                                     backend)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias, backend)
         if cfg.qk_norm:
             self.q_norm = make_norm(cfg, cfg.head_dim, backend)
             self.k_norm = make_norm(cfg, cfg.head_dim, backend)
@@ -141,7 +162,7 @@ class GatedDeltaNet(nn.Module):
         parts = ({"in_proj_qkvz": 2 * key_dim + 2 * value_dim, "in_proj_ba": 2 * self.hv} if self.fused else
                  {"in_proj_qkv": 2 * key_dim + value_dim, "in_proj_z": value_dim, "in_proj_b": self.hv,
                   "in_proj_a": self.hv})
-        self.in_proj = PackedLinear(h, parts, bias=False)
+        self.in_proj = PackedLinear(h, parts, False, backend)
         # HF stores the depthwise conv as Conv1d weight [C, 1, K]; keep that shape for loading.
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(cfg.gdn_conv_dim, 1, self.kernel))
@@ -150,7 +171,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.empty(self.dv))
         self.norm_eps = cfg.rms_norm_eps
-        self.out_proj = nn.Linear(value_dim, h, bias=False)
+        self.out_proj = Linear(value_dim, h, False, backend)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Returns mixed_qkv [T, conv_dim] in [q | k | v] order, and z [T, G, R, Dv], b, a [T, G, R]
@@ -179,11 +200,11 @@ class GatedDeltaNet(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
+    def __init__(self, hidden: int, inter: int, backend: Backend) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, False, backend)
+        self.up_proj = Linear(hidden, inter, False, backend)
+        self.down_proj = Linear(inter, hidden, False, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -208,7 +229,7 @@ class SparseMoE(nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.has_shared = cfg.shared_expert_intermediate_size > 0
         if self.has_shared:
-            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, backend)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -231,7 +252,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = Attention(cfg, backend)
         else:
             self.linear_attn = GatedDeltaNet(cfg, layer_idx, backend)
-        self.mlp = SparseMoE(cfg, backend) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = SparseMoE(cfg, backend) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, backend)
         self.input_layernorm = make_norm(cfg, cfg.hidden_size, backend)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, backend)
 

@@ -16,7 +16,7 @@ from wmtp.config import ModelConfig
 from wmtp.kernels.common import acc_dtype
 from wmtp.models.backend import Backend, get_backend
 from wmtp.models.context import ForwardContext, PagedSlots
-from wmtp.models.layers import DecoderLayer, finish, make_norm
+from wmtp.models.layers import DecoderLayer, Linear, embed_norm_cat, finish, make_norm
 from wmtp.models.rope import RotaryEmbedding
 
 
@@ -36,7 +36,7 @@ class QwenMTPHead(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: Backend) -> None:
         super().__init__()
         h = cfg.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = Linear(2 * h, h, False, backend)
         self.pre_fc_norm_embedding = make_norm(cfg, h, backend)
         self.pre_fc_norm_hidden = make_norm(cfg, h, backend)
         self.layers = nn.ModuleList(
@@ -45,12 +45,13 @@ class QwenMTPHead(nn.Module):
         )
         self.norm = make_norm(cfg, h, backend)
 
-    def fuse(self, emb: torch.Tensor, hidden: torch.Tensor, idx: int) -> torch.Tensor:
-        """The decoder layer's input at each slot: fc(cat(norm(embedding), norm(hidden)))."""
-        return self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
+    def fuse(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, idx: int) -> torch.Tensor:
+        """The decoder layer's input at each slot: fc(cat(norm(embed[ids]), norm(hidden)))."""
+        return self.fc(embed_norm_cat(ids, embed, hidden, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden))
 
-    def step(self, emb: torch.Tensor, hidden: torch.Tensor, cos_sin, ctx: ForwardContext, idx: int) -> torch.Tensor:
-        return finish(self.norm, self.layers[idx](self.fuse(emb, hidden, idx), cos_sin, ctx))
+    def step(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, cos_sin, ctx: ForwardContext,
+             idx: int) -> torch.Tensor:
+        return finish(self.norm, self.layers[idx](self.fuse(ids, embed, hidden, idx), cos_sin, ctx))
 
 
 class DeepSeekMTPLayer(DecoderLayer):
@@ -62,7 +63,7 @@ class DeepSeekMTPLayer(DecoderLayer):
         h = cfg.hidden_size
         self.enorm = make_norm(cfg, h, backend)
         self.hnorm = make_norm(cfg, h, backend)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.eh_proj = Linear(2 * h, h, False, backend)
         self.shared_head = nn.Module()
         self.shared_head.norm = make_norm(cfg, h, backend)
 
@@ -72,13 +73,15 @@ class DeepSeekMTPHead(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(DeepSeekMTPLayer(cfg, backend) for _ in range(cfg.num_nextn_predict_layers))
 
-    def fuse(self, emb: torch.Tensor, hidden: torch.Tensor, idx: int) -> torch.Tensor:
+    def fuse(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, idx: int) -> torch.Tensor:
         layer = self.layers[idx]
-        return layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(hidden)], dim=-1))
+        return layer.eh_proj(embed_norm_cat(ids, embed, hidden, layer.enorm, layer.hnorm))
 
-    def step(self, emb: torch.Tensor, hidden: torch.Tensor, cos_sin, ctx: ForwardContext, idx: int) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, cos_sin, ctx: ForwardContext,
+             idx: int) -> torch.Tensor:
         layer = self.layers[idx]
-        return finish(layer.shared_head.norm, DecoderLayer.forward(layer, self.fuse(emb, hidden, idx), cos_sin, ctx))
+        return finish(layer.shared_head.norm,
+                      DecoderLayer.forward(layer, self.fuse(ids, embed, hidden, idx), cos_sin, ctx))
 
 
 def mtp_style(cfg: ModelConfig) -> str:
@@ -105,11 +108,15 @@ class CausalLM(nn.Module):
     # ---- target -------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos_sin = self.rotary(ctx.positions)
+        cos_sin = self.rope(ctx)
         h, residual = x, None
         for layer in self.model.layers:
             h, residual = layer(h, cos_sin, ctx, residual)
         return finish(self.model.norm, (h, residual))
+
+    def rope(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of the context's positions: the precomputed ``ctx.rope`` if set."""
+        return ctx.rope if ctx.rope is not None else self.rotary(ctx.positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -124,8 +131,7 @@ class CausalLM(nn.Module):
         normed output (feed it to ``compute_logits``, or back in as ``hidden`` for the next step)."""
         if self.mtp is None:
             raise ValueError("this model has no MTP head (num_nextn_predict_layers = 0)")
-        emb = self.model.embed_tokens(input_ids)
-        return self.mtp.step(emb, hidden, self.rotary(ctx.positions), ctx, layer_idx)
+        return self.mtp.step(input_ids, self.model.embed_tokens.weight, hidden, self.rope(ctx), ctx, layer_idx)
 
     @torch.no_grad()
     def mtp_write_kv(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, layer_idx: int = 0) -> None:
@@ -133,8 +139,8 @@ class CausalLM(nn.Module):
         the FFN: a slot's K/V depend only on its own (embedding, hidden) pair (DESIGN §4)."""
         assert self.mtp is not None
         layer = self.mtp.layers[layer_idx]
-        x = self.mtp.fuse(self.model.embed_tokens(input_ids), hidden, layer_idx)
-        layer.self_attn.write_kv(layer.input_layernorm(x), self.rotary(ctx.positions), ctx)
+        x = self.mtp.fuse(input_ids, self.model.embed_tokens.weight, hidden, layer_idx)
+        layer.self_attn.write_kv(layer.input_layernorm(x), self.rope(ctx), ctx)
 
     def rollback_states(self, slots: torch.Tensor, accepted: torch.Tensor, recorded: dict) -> None:
         """After a verify with ``record_states``: set each GDN layer's states in ``slots`` [B] to

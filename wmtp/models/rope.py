@@ -252,14 +252,15 @@ class RotaryEmbedding(torch.nn.Module):
         self.inv_freq2 = torch.cat((self.inv_freq, self.inv_freq))
         return self
 
-    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """``positions`` (int, any shape, e.g. ``[T]``) -> (cos, sin) of shape ``[*positions.shape, rot_dim]``."""
+    def forward(self, positions: Tensor, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """``positions`` (int, any shape, e.g. ``[T]``) -> (cos, sin) of shape ``[*positions.shape, rot_dim]``,
+        written into ``out`` when given (static buffers of that shape)."""
         inv_freq = self.inv_freq2
         # fp32 outer product (the int positions promote to fp32 inside the multiply: exact up to 2**24)
         freqs = positions.to(inv_freq.device).unsqueeze(-1) * inv_freq
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = (freqs.cos(), freqs.sin()) if out is None else (torch.cos(freqs, out=out[0]), torch.sin(freqs, out=out[1]))
         if self.attention_scaling != 1.0:
-            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+            cos, sin = cos.mul_(self.attention_scaling), sin.mul_(self.attention_scaling)
         return cos, sin
 
     def extra_repr(self) -> str:

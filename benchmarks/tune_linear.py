@@ -1,0 +1,76 @@
+"""The skinny linear kernel against cuBLAS (``F.linear``) on the 35B decode projections (H200 input).
+
+For each projection shape and token count it times, from CUDA graphs with cold weights (each graph
+runs the projection on ``--copies`` weight copies in turn, more bytes than L2 holds), ``F.linear``,
+the kernel at ``linear_tiles`` (where it chooses the kernel) and, unless ``--no-sweep``, every configuration of a small grid.
+Prints each case's times and weight-read bandwidth.
+
+    python benchmarks/tune_linear.py --out tune_linear.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+# (name, N, K) of the qwen3.6-35b-a3b decode projections (out features, in features)
+SHAPES = [("o_proj / out_proj / mtp fc", 2048, 4096), ("router", 256, 2048), ("attention qkv", 9216, 2048),
+          ("gdn in_proj", 12352, 2048)]
+GRID = list(itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8), (4,)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1,8")
+    ap.add_argument("--copies-bytes", type=float, default=256e6, help="weight bytes cycled through per timing")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    import triton.testing
+
+    from wmtp.kernels.linear import LinearTiles, linear_tiles, skinny_linear
+
+    dt, rows = torch.bfloat16, []
+    for (name, N, K), T in itertools.product(SHAPES, map(int, a.tokens.split(","))):
+        copies = max(1, int(a.copies_bytes // (N * K * 2)))
+        ws = [torch.randn(N, K, device="cuda", dtype=dt) * K**-0.5 for _ in range(copies)]
+        x = torch.randn(T, K, device="cuda", dtype=dt)
+
+        def bench(fn) -> float:
+            def run():
+                for w in ws:
+                    fn(w)
+            run()
+            return triton.testing.do_bench_cudagraph(run) / copies
+
+        cublas = bench(lambda w: F.linear(x, w))
+        chosen = linear_tiles(T, N, K)
+        chosen_ms = bench(lambda w: skinny_linear(x, w, tiles=chosen))
+        err = (skinny_linear(x, ws[0]).float() - F.linear(x, ws[0]).float()).abs().max().item()
+        results = []
+        for bn, bk, sp, nw in [] if a.no_sweep else GRID:
+            tiles = LinearTiles(bn, bk, sp, nw)
+            try:
+                results.append({**tiles._asdict(), "ms": bench(lambda w: skinny_linear(x, w, tiles=tiles))})
+            except Exception as e:  # resources exceeded for this tile
+                results.append({**tiles._asdict(), "error": type(e).__name__})
+        best = min((r for r in results if "ms" in r), key=lambda r: r["ms"], default={"ms": chosen_ms})
+        tb = N * K * 2 / 1e9  # TB/s = weight bytes / 1e12 / (ms / 1e3)
+        print(f"{name:28s} T={T}: cuBLAS {cublas * 1e3:6.1f} us ({tb / cublas:.2f} TB/s) | chosen "
+              f"{chosen} {chosen_ms * 1e3:6.1f} us ({tb / chosen_ms:.2f}) | best {best['ms'] * 1e3:6.1f} us "
+              f"({tb / best['ms']:.2f}) {best} | max err {err:.3g}", flush=True)
+        rows.append({"case": name, "N": N, "K": K, "tokens": T, "copies": copies, "cublas_ms": cublas,
+                     "chosen_ms": chosen_ms, "chosen_tiles": None if chosen is None else chosen._asdict(), "best": best,
+                     "max_abs_err_vs_cublas": err, "all": results})
+    with open(a.out, "w") as f:
+        json.dump({"kind": "linear_tuning", "hardware": torch.cuda.get_device_name(),
+                   "command": "python benchmarks/tune_linear.py " + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""The skinny decode-size linear kernel (``wmtp.kernels.linear``) against its twin ``F.linear``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from wmtp.kernels.common import arrival_counters  # noqa: E402
+from wmtp.kernels.linear import MAX_ROWS, LinearTiles, skinny_linear  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BF16 = pytest.param(torch.bfloat16, id="bf16")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """fp32: 1e-5 of the largest value; bf16: an output rounding (2^-8) plus the CPU interpreter's
+    truncating casts."""
+    rel = 1e-5 if want.dtype == torch.float32 else 1e-2
+    return got.dtype == want.dtype and got.shape == want.shape and \
+        (got.float() - want.float()).abs().max().item() <= rel * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("rows", [1, 7, MAX_ROWS])
+@pytest.mark.parametrize("splits", [1, 3])  # one program per column block, or split K summed by the last to arrive
+def test_skinny_linear_matches_f_linear(rows, splits, dtype):
+    g = torch.Generator().manual_seed(rows + splits)
+    x = torch.randn(rows, 200, generator=g).to(DEVICE, dtype)  # K over several blocks, not a multiple of them
+    w = (torch.randn(70, 200, generator=g) * 200**-0.5).to(DEVICE, dtype)  # N not a multiple of the block
+    b = torch.randn(70, generator=g).to(DEVICE, dtype)
+    tiles = LinearTiles(16, 32, splits, 4)
+    assert _close(skinny_linear(x, w, tiles=tiles), F.linear(x, w))
+    assert _close(skinny_linear(x, w, b, tiles=tiles), F.linear(x, w, b))
+    assert int(arrival_counters(x.device, 8)[:8].abs().sum()) == 0  # left zeroed for the next launch
+
+
+def test_skinny_linear_keeps_leading_dims_and_strided_rows():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 64, generator=g).to(DEVICE)
+    w = torch.randn(40, 64, generator=g).to(DEVICE)
+    assert _close(skinny_linear(x, w), F.linear(x, w))
+    wide = torch.randn(5, 128, generator=g).to(DEVICE)
+    assert _close(skinny_linear(wide[:, :64], w), F.linear(wide[:, :64], w))  # rows with a stride
+
+
+def test_bad_input_names_the_tensor():
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match=r"skinny_linear: weight \(4, 9\)"):
+        skinny_linear(x, torch.zeros(4, 9))
+    with pytest.raises(ValueError, match=r"skinny_linear: x has 17 rows"):
+        skinny_linear(torch.zeros(17, 8), torch.zeros(4, 8))
+    with pytest.raises(ValueError, match=r"skinny_linear: bias \(3,\) must be \[4\]"):
+        skinny_linear(x, torch.zeros(4, 8), torch.zeros(3))

@@ -1,0 +1,131 @@
+"""Skinny linear layers for decode-sized inputs (1..16 token rows): ``x @ w.T (+ bias)`` in one launch.
+
+At B·d rows a projection is a weight read; cuBLAS picks tiles made for larger M and, for the
+4096 -> 2048 projections, a split-K GEMM plus a separate reduction kernel (7.4 + 1.8 us for a 3.9 us
+read on the H200). Here each program multiplies a [rows, BLOCK_N] column block of the weight over
+its share of K with one dot per K step (the token rows padded to the dot's 16), and split-K partials
+(fp32) are summed by the column block's last program to arrive, in split order (deterministic), so
+a split-K projection is still one launch.
+
+The twin is ``F.linear`` (``TorchBackend.linear``); ``tests/test_linear_kernel.py`` compares them.
+Under the CPU interpreter, whose bf16 dot is wrong, 16-bit operands are widened to fp32 first
+(exact products, fp32 accumulation, as on the GPU).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+from wmtp.kernels.common import arrival_counters
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+MAX_ROWS = 16  # token rows one launch takes (a dot's minimum M)
+
+
+class LinearTiles(NamedTuple):
+    """Launch configuration: column block, K step, K splits (programs per column block), warps."""
+
+    block_n: int
+    block_k: int
+    splits: int
+    num_warps: int
+
+
+if triton is not None:
+
+    @triton.jit
+    def _skinny_linear_kernel(X, W, BIAS, OUT, PART, COUNT, T, N, K, stride_xt, stride_wn, stride_ot, K_SPLIT,
+                              HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, WIDEN: tl.constexpr,
+                              PREC: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        nb = tl.program_id(0)
+        s = tl.program_id(1)
+        cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        ts = tl.arange(0, T_P)
+        t_ok = ts < T
+        acc = tl.zeros([T_P, BLOCK_N], tl.float32)
+        k_lo = s * K_SPLIT
+        for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            xv = tl.load(X + ts[:, None] * stride_xt + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            wv = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if WIDEN:
+                xv = xv.to(tl.float32)
+                wv = wv.to(tl.float32)
+            acc = tl.dot(xv, tl.trans(wv), acc, input_precision=PREC)
+        out_ptr = OUT + ts[:, None] * stride_ot + cols[None, :]
+        out_ok = t_ok[:, None] & col_ok[None, :]
+        if SPLITS == 1:
+            if HAS_BIAS:
+                acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr, acc.to(OUT.dtype.element_ty), mask=out_ok)
+        else:
+            part = PART + ts[:, None] * N + cols[None, :]
+            tl.store(part + s * T * N, acc, mask=out_ok)
+            # the column block's last program to arrive sums the splits in order: the barrier orders
+            # every thread's stores before the release; the loads bypass L1 (.cg)
+            tl.debug_barrier()
+            if tl.atomic_add(COUNT + nb, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                tl.atomic_xchg(COUNT + nb, 0, sem="relaxed", scope="gpu")
+                total = tl.zeros([T_P, BLOCK_N], tl.float32)
+                for j in range(SPLITS):
+                    total += tl.load(part + j * T * N, mask=out_ok, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                tl.store(out_ptr, total.to(OUT.dtype.element_ty), mask=out_ok)
+
+
+def linear_tiles(rows: int, n: int, k: int) -> LinearTiles | None:
+    """The kernel's tiles for ``rows`` x [n, k], or None where cuBLAS is as fast: more than
+    ``MAX_ROWS`` rows, or outputs wider than 4096 (there cuBLAS's unsplit tiles read the weight
+    at ~3.2 TB/s). Measured on the H200 (``benchmarks/tune_linear.py``,
+    tuning/tune_linear_s8.json): 4096 -> 2048 at 32 x 256 tiles in 4 K splits, 7.8 us against
+    cuBLAS's 8.9 (1 row) / 9.8 (8 rows); the 2048 -> 256 router at 16 x 128 in 8 splits, 3.9
+    against 5.7-5.8; 2048 -> 9216 lost (12.2 against 11.7)."""
+    if not 0 < rows <= MAX_ROWS or n > 4096:
+        return None
+    if n <= 1024:
+        return LinearTiles(16, 128, 8, 4)
+    return LinearTiles(32, 256, 4 if k >= 4096 else 1, 4)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  tiles: LinearTiles | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [..., K] of at most ``MAX_ROWS`` rows (flattened);
+    weight [N, K] with unit stride on K. ``tiles`` overrides ``linear_tiles``' choice (which
+    falls back to a single 16 x 128 program per K split where it would choose cuBLAS)."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    T = x2.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1 or weight.dtype != x.dtype:
+        raise ValueError(f"skinny_linear: weight {tuple(weight.shape)} {weight.dtype} must be [N, {K}] {x.dtype} "
+                         f"with unit stride on K (x {tuple(x.shape)})")
+    if T > MAX_ROWS:
+        raise ValueError(f"skinny_linear: x has {T} rows; at most {MAX_ROWS}")
+    N = weight.shape[0]
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"skinny_linear: bias {tuple(bias.shape)} must be [{N}]")
+    out = torch.empty(T, N, device=x.device, dtype=x.dtype)
+    if T and N:
+        x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+        cfg = tiles or linear_tiles(T, N, K) or LinearTiles(16, 128, 1, 4)
+        k_split = triton.cdiv(triton.cdiv(K, cfg.splits), cfg.block_k) * cfg.block_k
+        splits = triton.cdiv(K, k_split)
+        blocks = triton.cdiv(N, cfg.block_n)
+        part = torch.empty(splits, T, N, device=x.device, dtype=torch.float32) if splits > 1 else out
+        widen = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+        _skinny_linear_kernel[(blocks, splits)](
+            x2, weight, out if bias is None else bias, out, part, arrival_counters(x.device, blocks), T, N, K,
+            x2.stride(0), weight.stride(0), out.stride(0), k_split, HAS_BIAS=bias is not None, SPLITS=splits,
+            WIDEN=widen, PREC="ieee" if x.dtype == torch.float32 else "tf32", T_P=MAX_ROWS,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+    return out.view(*x.shape[:-1], N)
