@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from wmtp.kernels.common import arrival_counters  # noqa: E402
+from wmtp.kernels.common import MAX_COUNTERS, arrival_counters  # noqa: E402
 from wmtp.kernels.linear import MAX_ROWS, LinearTiles, skinny_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -54,3 +54,12 @@ def test_bad_input_names_the_tensor():
         skinny_linear(torch.zeros(17, 8), torch.zeros(4, 8))
     with pytest.raises(ValueError, match=r"skinny_linear: bias \(3,\) must be \[4\]"):
         skinny_linear(x, torch.zeros(4, 8), torch.zeros(3))
+    with pytest.raises(ValueError, match="arrival_counters: .* at most"):
+        arrival_counters(x.device, MAX_COUNTERS + 1)
+
+
+def test_arrival_counters_are_one_fixed_buffer():
+    """Captured graphs keep the counters' address: a later, larger request must not reallocate."""
+    dev = torch.device(DEVICE)
+    first = arrival_counters(dev, 4)
+    assert arrival_counters(dev, MAX_COUNTERS).data_ptr() == first.data_ptr()

@@ -21,13 +21,17 @@ class SharedExpert(NamedTuple):
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+MAX_COUNTERS = 1 << 16
 
 
 def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 counters for launches whose last-arriving program of a group finishes the
-    group's work (and zeroes its counter again). Kept per device across launches and CUDA-graph
-    replays; such launches run on one stream at a time, as the engine's do."""
+    group's work (and zeroes its counter again). One fixed buffer per device, never reallocated:
+    captured CUDA graphs keep its address. Such launches run on one stream at a time, as the
+    engine's do."""
+    if n > MAX_COUNTERS:
+        raise ValueError(f"arrival_counters: {n} groups in one launch; at most {MAX_COUNTERS}")
     c = _COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        c = _COUNTERS[device] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros(MAX_COUNTERS, device=device, dtype=torch.int32)
     return c
