@@ -24,6 +24,7 @@ CHUNK = 8192  # entries per program
 BLOCK = 4096  # entries per load
 
 if triton is not None:
+    from wmtp.kernels.common import last_to_arrive
 
     @triton.jit
     def _argmax_kernel(X, OUT, PART_V, PART_I, COUNT, V, stride_x, out_n1, out_s0, out_s1, SPLITS,
@@ -46,11 +47,7 @@ if triton is not None:
             best_v = tl.where(take, m, best_v)
         tl.store(PART_V + t * SPLITS_P + s, best_v)
         tl.store(PART_I + t * SPLITS_P + s, best_i)
-        # the row's last program to arrive reduces its partials: the barrier orders every thread's
-        # stores before the release; the loads bypass L1 (.cg), which may hold stale lines
-        tl.debug_barrier()
-        if tl.atomic_add(COUNT + t, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-            tl.atomic_xchg(COUNT + t, 0, sem="relaxed", scope="gpu")
+        if last_to_arrive(COUNT, t, SPLITS):  # the row's last program reduces the partials
             ss = tl.arange(0, SPLITS_P)
             ok = ss < SPLITS
             pv = tl.load(PART_V + t * SPLITS_P + ss, mask=ok, other=float("-inf"), cache_modifier=".cg")

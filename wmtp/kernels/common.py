@@ -1,8 +1,14 @@
-"""Small helpers shared by the reference ops."""
+"""Small helpers shared by the reference ops and the kernels."""
 
 from typing import NamedTuple
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
 
 
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -35,3 +41,17 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     if c is None:
         c = _COUNTERS[device] = torch.zeros(MAX_COUNTERS, device=device, dtype=torch.int32)
     return c
+
+
+if triton is not None:
+
+    @triton.jit
+    def last_to_arrive(COUNT, group, n):
+        """Whether this program is the last of ``group``'s ``n`` programs to get here (after its
+        stores); that one then zeroes the group's counter for the next launch. The barrier orders
+        every thread's stores before the release; the last program's loads of the others' results
+        must bypass L1 (``cache_modifier=".cg"``), which may hold lines read before they were final."""
+        tl.debug_barrier()
+        last = tl.atomic_add(COUNT + group, 1, sem="acq_rel", scope="gpu") == n - 1
+        tl.atomic_xchg(COUNT + group, 0, mask=last, sem="relaxed", scope="gpu")
+        return last

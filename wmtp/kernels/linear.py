@@ -18,6 +18,7 @@ import os
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from wmtp.kernels.common import arrival_counters
 
@@ -40,6 +41,7 @@ class LinearTiles(NamedTuple):
 
 
 if triton is not None:
+    from wmtp.kernels.common import last_to_arrive
 
     @triton.jit
     def _skinny_linear_kernel(X, W, BIAS, OUT, PART, COUNT, T, N, K, stride_xt, stride_wn, stride_ot, K_SPLIT,
@@ -71,11 +73,7 @@ if triton is not None:
         else:
             part = PART + ts[:, None] * N + cols[None, :]
             tl.store(part + s * T * N, acc, mask=out_ok)
-            # the column block's last program to arrive sums the splits in order: the barrier orders
-            # every thread's stores before the release; the loads bypass L1 (.cg)
-            tl.debug_barrier()
-            if tl.atomic_add(COUNT + nb, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                tl.atomic_xchg(COUNT + nb, 0, sem="relaxed", scope="gpu")
+            if last_to_arrive(COUNT, nb, SPLITS):  # the column block's last program sums the splits in order
                 total = tl.zeros([T_P, BLOCK_N], tl.float32)
                 for j in range(SPLITS):
                     total += tl.load(part + j * T * N, mask=out_ok, other=0.0, cache_modifier=".cg")
@@ -129,3 +127,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             WIDEN=widen, PREC="ieee" if x.dtype == torch.float32 else "tf32", T_P=MAX_ROWS,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
     return out.view(*x.shape[:-1], N)
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, through ``skinny_linear`` where ``linear_tiles`` picks the kernel over cuBLAS."""
+    tiles = linear_tiles(x.numel() // max(x.shape[-1], 1), weight.shape[0], weight.shape[1])
+    if tiles is None or x.dtype == torch.float64 or weight.dtype != x.dtype or weight.stride(-1) != 1:
+        return F.linear(x, weight, bias)
+    return skinny_linear(x, weight, bias, tiles)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from wmtp.kernels.common import SharedExpert
-from wmtp.kernels.linear import linear_tiles, skinny_linear
+from wmtp.kernels.linear import decode_linear
 
 try:
     import triton
@@ -310,11 +310,9 @@ def shared_expert_reference(x: torch.Tensor, shared: SharedExpert) -> torch.Tens
 def moe_gemv(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
              norm_topk_prob: bool, shared: SharedExpert | None = None) -> torch.Tensor:
     """Same contract as ``Backend.moe`` (softmax router, top-k SwiGLU experts, optional shared
-    expert) at decode sizes: the router GEMM (the skinny kernel where ``linear_tiles`` takes it)
+    expert) at decode sizes: the router GEMM (``decode_linear``)
     and three launches (route + shared gate, routed and shared SwiGLU, down projections + combine)."""
-    tiles = linear_tiles(x.shape[0], *router_weight.shape)
-    logits = F.linear(x, router_weight) if tiles is None else skinny_linear(x, router_weight, tiles=tiles)
-    r = route_topk(logits, top_k, norm_topk_prob, x, None if shared is None else shared.gate)
+    r = route_topk(decode_linear(x, router_weight), top_k, norm_topk_prob, x, None if shared is None else shared.gate)
     inter = down.shape[-1]
     gate, up, idx = gate_up[:, :inter], gate_up[:, inter:], r.experts.view(-1)
     if shared is None:

@@ -333,12 +333,9 @@ class TritonBackend(TorchBackend):
         return embed_norm_cat(ids, embed, hidden, w_e, w_h, eps, offset)
 
     def linear(self, x, weight, bias=None):
-        from wmtp.kernels.linear import linear_tiles, skinny_linear
+        from wmtp.kernels.linear import decode_linear
 
-        tiles = linear_tiles(x.numel() // max(x.shape[-1], 1), weight.shape[0], weight.shape[1])
-        if tiles is None or x.dtype == torch.float64 or weight.dtype != x.dtype or weight.stride(-1) != 1:
-            return F.linear(x, weight, bias)
-        return skinny_linear(x, weight, bias, tiles)
+        return decode_linear(x, weight, bias)
 
     def argmax(self, logits, out=None):
         if logits.dtype == torch.float64:

@@ -258,7 +258,10 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = self.inv_freq2
         # fp32 outer product (the int positions promote to fp32 inside the multiply: exact up to 2**24)
         freqs = positions.to(inv_freq.device).unsqueeze(-1) * inv_freq
-        cos, sin = (freqs.cos(), freqs.sin()) if out is None else (torch.cos(freqs, out=out[0]), torch.sin(freqs, out=out[1]))
+        if out is None:
+            cos, sin = freqs.cos(), freqs.sin()
+        else:
+            cos, sin = torch.cos(freqs, out=out[0]), torch.sin(freqs, out=out[1])
         if self.attention_scaling != 1.0:
             cos, sin = cos.mul_(self.attention_scaling), sin.mul_(self.attention_scaling)
         return cos, sin
