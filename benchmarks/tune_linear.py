@@ -18,10 +18,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
-# (name, N, K) of the qwen3.6-35b-a3b decode projections (out features, in features)
-SHAPES = [("o_proj / out_proj / mtp fc", 2048, 4096), ("router", 256, 2048), ("attention qkv", 9216, 2048),
-          ("gdn in_proj", 12352, 2048)]
-GRID = list(itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8), (4,)))
+# (name, N, K, grid) of the qwen3.6-35b-a3b decode projections (out features, in features) with the
+# (block_n, block_k, splits, num_warps, num_stages) swept for each: split-K for the 4096-deep ones
+GRID_DEEP = list(itertools.product((32, 64), (128, 256), (4, 8), (4, 8), (2, 3, 4)))
+GRID_WIDE = list(itertools.product((16, 32, 64), (128, 256), (1, 2), (4, 8), (3, 4)))
+SHAPES = [("o_proj / out_proj / mtp fc", 2048, 4096, GRID_DEEP),
+          ("router", 256, 2048, list(itertools.product((16, 32), (128, 256), (4, 8), (4,), (3,)))),
+          ("attention qkv", 9216, 2048, GRID_WIDE), ("gdn in_proj", 12352, 2048, GRID_WIDE)]
 
 
 def main() -> None:
@@ -29,6 +32,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--copies-bytes", type=float, default=256e6, help="weight bytes cycled through per timing")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--shapes", default="", help="comma-separated case names to run (default: all)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import triton.testing
@@ -36,7 +40,8 @@ def main() -> None:
     from wmtp.kernels.linear import LinearTiles, linear_tiles, skinny_linear
 
     dt, rows = torch.bfloat16, []
-    for (name, N, K), T in itertools.product(SHAPES, map(int, a.tokens.split(","))):
+    shapes = [s for s in SHAPES if not a.shapes or s[0] in a.shapes.split(",")]
+    for (name, N, K, grid), T in itertools.product(shapes, map(int, a.tokens.split(","))):
         copies = max(1, int(a.copies_bytes // (N * K * 2)))
         ws = [torch.randn(N, K, device="cuda", dtype=dt) * K**-0.5 for _ in range(copies)]
         x = torch.randn(T, K, device="cuda", dtype=dt)
@@ -53,8 +58,8 @@ def main() -> None:
         chosen_ms = bench(lambda w: skinny_linear(x, w, tiles=chosen))
         err = (skinny_linear(x, ws[0]).float() - F.linear(x, ws[0]).float()).abs().max().item()
         results = []
-        for bn, bk, sp, nw in [] if a.no_sweep else GRID:
-            tiles = LinearTiles(bn, bk, sp, nw)
+        for cfg in [] if a.no_sweep else grid:
+            tiles = LinearTiles(*cfg)
             try:
                 results.append({**tiles._asdict(), "ms": bench(lambda w: skinny_linear(x, w, tiles=tiles))})
             except Exception as e:  # resources exceeded for this tile

@@ -32,16 +32,35 @@ MAX_ROWS = 16  # token rows one launch takes (a dot's minimum M)
 
 
 class LinearTiles(NamedTuple):
-    """Launch configuration: column block, K step, K splits (programs per column block), warps."""
+    """Launch configuration: column block, K step, K splits (programs per column block), warps,
+    software-pipeline stages."""
 
     block_n: int
     block_k: int
     splits: int
     num_warps: int
+    num_stages: int = 3  # Triton's default on NVIDIA GPUs
 
 
 if triton is not None:
     from wmtp.kernels.common import last_to_arrive
+
+    @triton.jit
+    def split_dot(X, W, stride_xt, stride_wn, ts, t_ok, cols, col_ok, k_lo, K_SPLIT, K, WIDEN: tl.constexpr,
+                  PREC: tl.constexpr, BLOCK_K: tl.constexpr):
+        """fp32 ``X[ts] @ W[cols].T`` over this program's K split ``[k_lo, k_lo + K_SPLIT)``, one dot
+        per K step: a [len(ts), len(cols)] tile (rows and columns past ``t_ok`` / ``col_ok`` are 0)."""
+        acc = tl.zeros([ts.shape[0], cols.shape[0]], tl.float32)
+        for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            xv = tl.load(X + ts[:, None] * stride_xt + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            wv = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if WIDEN:
+                xv = xv.to(tl.float32)
+                wv = wv.to(tl.float32)
+            acc = tl.dot(xv, tl.trans(wv), acc, input_precision=PREC)
+        return acc
 
     @triton.jit
     def _skinny_linear_kernel(X, W, BIAS, OUT, PART, COUNT, T, N, K, stride_xt, stride_wn, stride_ot, K_SPLIT,
@@ -53,17 +72,7 @@ if triton is not None:
         col_ok = cols < N
         ts = tl.arange(0, T_P)
         t_ok = ts < T
-        acc = tl.zeros([T_P, BLOCK_N], tl.float32)
-        k_lo = s * K_SPLIT
-        for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            xv = tl.load(X + ts[:, None] * stride_xt + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-            wv = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if WIDEN:
-                xv = xv.to(tl.float32)
-                wv = wv.to(tl.float32)
-            acc = tl.dot(xv, tl.trans(wv), acc, input_precision=PREC)
+        acc = split_dot(X, W, stride_xt, stride_wn, ts, t_ok, cols, col_ok, s * K_SPLIT, K_SPLIT, K, WIDEN, PREC, BLOCK_K)
         out_ptr = OUT + ts[:, None] * stride_ot + cols[None, :]
         out_ok = t_ok[:, None] & col_ok[None, :]
         if SPLITS == 1:
@@ -96,6 +105,19 @@ def linear_tiles(rows: int, n: int, k: int) -> LinearTiles | None:
     return LinearTiles(32, 256, 4 if k >= 4096 else 1, 4)
 
 
+def split_k(K: int, splits: int, block_k: int) -> tuple[int, int]:
+    """K per split (a multiple of ``block_k``) and the number of splits that covers K with it."""
+    k_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    return k_split, triton.cdiv(K, k_split)
+
+
+def dot_flags(dtype: torch.dtype) -> dict[str, object]:
+    """``split_dot``'s WIDEN / PREC for operands of ``dtype``: ieee fp32 products for fp32 (tf32
+    would round them); 16-bit operands widened under the CPU interpreter (its bf16 dot is wrong)."""
+    return {"WIDEN": dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+            "PREC": "ieee" if dtype == torch.float32 else "tf32"}
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   tiles: LinearTiles | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [..., K] of at most ``MAX_ROWS`` rows (flattened);
@@ -116,16 +138,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if T and N:
         x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
         cfg = tiles or linear_tiles(T, N, K) or LinearTiles(16, 128, 1, 4)
-        k_split = triton.cdiv(triton.cdiv(K, cfg.splits), cfg.block_k) * cfg.block_k
-        splits = triton.cdiv(K, k_split)
+        k_split, splits = split_k(K, cfg.splits, cfg.block_k)
         blocks = triton.cdiv(N, cfg.block_n)
         part = torch.empty(splits, T, N, device=x.device, dtype=torch.float32) if splits > 1 else out
-        widen = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
         _skinny_linear_kernel[(blocks, splits)](
             x2, weight, out if bias is None else bias, out, part, arrival_counters(x.device, blocks), T, N, K,
             x2.stride(0), weight.stride(0), out.stride(0), k_split, HAS_BIAS=bias is not None, SPLITS=splits,
-            WIDEN=widen, PREC="ieee" if x.dtype == torch.float32 else "tf32", T_P=MAX_ROWS,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+            T_P=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **dot_flags(x.dtype))
     return out.view(*x.shape[:-1], N)
 
 
