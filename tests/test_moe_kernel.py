@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from wmtp.kernels.common import SharedExpert  # noqa: E402
 from wmtp.kernels.moe import (  # noqa: E402
-    down_combine, moe_gemv, route, route_topk, routed_experts_grouped, router_topk, shared_expert_reference, swiglu_gemv,
+    down_combine, moe_gemv, route, route_topk, routed_experts_grouped, shared_expert_reference, swiglu_gemv,
     swiglu_gemv_with_shared)
 from wmtp.models.backend import TorchBackend  # noqa: E402
 
@@ -74,47 +74,6 @@ def test_route_topk_computes_the_shared_gate_logit(dtype):
     want = torch.nn.functional.linear(x, gate).float().view(-1)
     tol = 1e-4 if dtype == torch.float32 else 2e-2 * want.abs().max().item()
     assert r.shared_logit.shape == (4,) and (r.shared_logit - want).abs().max().item() <= tol
-
-
-@pytest.mark.parametrize("tokens,E,H,top_k,launch", [
-    (1, 256, 2048, 8, {}),  # the 35B router: 16 K splits, the routing in the last one
-    (16, 60, 300, 4, {}),  # most tokens one launch takes; K not a multiple of the splits' K step
-    (5, 8, 64, 2, {"splits": 1}),  # one program: it is its own last
-    (7, 40, 200, 3, {"splits": 3, "BLOCK_K": 32}),
-    (17, 12, 64, 2, {}),  # more tokens than one launch takes: router GEMM, then route_topk
-])
-@pytest.mark.parametrize("norm", [True, False])
-def test_router_topk_matches_reference(tokens, E, H, top_k, launch, norm):
-    """The router GEMM with the routing and the shared expert's gate in its last program, against
-    ``route`` (F.linear, softmax, torch.topk) and ``F.linear`` for the gate logit."""
-    g = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, H, generator=g).to(DEVICE)
-    router = (torch.randn(E, H, generator=g) * H**-0.5).to(DEVICE)
-    gate = (torch.randn(1, H, generator=g) * H**-0.5).to(DEVICE)
-    r = router_topk(x, router, top_k, norm, gate, **launch)
-    want_w, want_i = route(x, router, top_k, norm)
-    assert torch.equal(r.experts.long(), want_i)
-    assert torch.allclose(r.weights, want_w, atol=1e-6)
-    assert torch.allclose(r.shared_logit, torch.nn.functional.linear(x, gate).view(-1), atol=1e-5)
-    again = router_topk(x, router, top_k, norm, **launch)  # the counter was left at zero; no shared gate
-    assert torch.equal(again.weights, r.weights) and torch.equal(again.experts, r.experts) and again.shared_logit is None
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bf16 rounding)")
-def test_router_topk_bf16_35b_router_gpu():
-    """bf16, the 35B router over 8 tokens: the chosen experts carry the reference's top-k
-    probabilities (near-ties may swap: the logits are summed in another order before rounding)."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 2048, generator=g).to(DEVICE, torch.bfloat16)
-    router = (torch.randn(256, 2048, generator=g) * 2048**-0.5).to(DEVICE, torch.bfloat16)
-    gate = (torch.randn(1, 2048, generator=g) * 2048**-0.5).to(DEVICE, torch.bfloat16)
-    r = router_topk(x, router, 8, False, gate)
-    probs = torch.softmax(torch.nn.functional.linear(x, router), -1, dtype=torch.float)
-    assert (probs.gather(1, r.experts.long()) - probs.topk(8, -1).values).abs().max().item() < 2e-2 * probs.max().item()
-    assert (r.weights - probs.gather(1, r.experts.long())).abs().max().item() < 2e-2 * probs.max().item()
-    want_gate = torch.nn.functional.linear(x, gate).float().view(-1)
-    assert (r.shared_logit - want_gate).abs().max().item() <= 1e-2 * want_gate.abs().max().item()
 
 
 def test_swiglu_gemv_matches_reference():
@@ -226,10 +185,6 @@ def test_shape_errors_name_the_tensors():
         route_topk(torch.zeros(2, 4), 2, True, torch.zeros(2, 8), torch.zeros(1, 6))
     with pytest.raises(ValueError, match="route_topk: top_k"):
         route_topk(torch.zeros(2, 4), 5, True)
-    with pytest.raises(ValueError, match=r"router_topk: router_weight \(4, 6\) must be \[E, 8\]"):
-        router_topk(torch.zeros(2, 8), torch.zeros(4, 6), 2, True)
-    with pytest.raises(ValueError, match="router_topk: shared_gate"):
-        router_topk(torch.zeros(2, 8), torch.zeros(4, 8), 2, True, torch.zeros(1, 6))
 
 
 @pytest.mark.gpu

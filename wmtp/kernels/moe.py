@@ -1,15 +1,14 @@
 """Triton MoE for decode-sized batches (B·d tokens): routing, SwiGLU experts (routed and shared)
-and the weighted combine in three launches, no host sync.
+and the weighted combine in three launches after the router GEMM, no host sync.
 
 At decode / verify / draft sizes each (token, chosen expert) pair is a matrix-vector product, so
 the cost is reading the chosen experts' weights; what PyTorch adds around it (softmax, top-k sort,
 renormalise, repeat the tokens per pair, silu·mul, weight, sum, the shared expert's gate) is a
 dozen tiny kernels per layer, which dominate a CUDA-graph replay at B = 1. Here:
 
-- ``router_topk``: the router GEMM in K splits, whose last-arriving program sums the splits and
-  routes every token: softmax, top-k by repeated max of packed (probability, index) keys,
-  renormalise (fp32), and the shared expert's gate logit (a [H] dot per token). ``route_topk`` is
-  the routing alone, after a separate GEMM (more than 16 tokens or 1024 experts).
+- ``route_topk``: softmax over the router logits, top-k by repeated max of packed (probability,
+  index) keys, renormalise (fp32);
+  and the shared expert's gate logit (a [H] dot per token).
 - ``swiglu_gemv_with_shared``: ``silu(W_gate[e] x) * (W_up[e] x)`` per pair, the token row read
   as ``p // top_k`` (no repeated copy of x), and in the same launch T more rows, one per token,
   with the shared expert's weights (its own intermediate size). A separate launch for the shared
@@ -32,8 +31,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from wmtp.kernels.common import SharedExpert, arrival_counters
-from wmtp.kernels.linear import MAX_ROWS, decode_linear, dot_flags, split_k
+from wmtp.kernels.common import SharedExpert
+from wmtp.kernels.linear import decode_linear
 
 try:
     import triton
@@ -46,85 +45,40 @@ MAX_GEMV_PAIRS = 256
 
 
 if triton is not None:
-    from wmtp.kernels.common import last_to_arrive
-    from wmtp.kernels.linear import split_dot
 
     @triton.jit
-    def _softmax_topk(z, E, TOP_K: tl.constexpr, K_P: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr):
-        """Softmax over each row of fp32 logits z [R, BLOCK_E] (columns >= E ignored) and its top-k,
-        largest first, renormalised if NORM: (weights [R, K_P] fp32, indices [R, K_P] int32)."""
-        es = tl.arange(0, BLOCK_E)[None, :]
-        z = tl.where(es < E, z, float("-inf"))
-        p = tl.exp(z - tl.max(z, 1)[:, None])
-        p = p / tl.sum(p, 1)[:, None]
+    def _route_topk_kernel(LOGITS, W_OUT, I_OUT, X, SG, SG_OUT, E, HID, TOP_K: tl.constexpr, K_P: tl.constexpr,
+                           NORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        if SHARED:  # the shared expert's gate logit x[t] . w, rounded to x's dtype as F.linear's is
+            z = tl.zeros([BLOCK_H], tl.float32)
+            for h0 in range(0, HID, BLOCK_H):
+                hs = h0 + tl.arange(0, BLOCK_H)
+                z += tl.load(X + t * HID + hs, mask=hs < HID, other=0.0).to(tl.float32) * \
+                    tl.load(SG + hs, mask=hs < HID, other=0.0).to(tl.float32)
+            tl.store(SG_OUT + t, tl.sum(z, 0).to(X.dtype.element_ty).to(tl.float32))
+        es = tl.arange(0, BLOCK_E)
+        z = tl.load(LOGITS + t * E + es, mask=es < E, other=float("-inf")).to(tl.float32)
+        p = tl.exp(z - tl.max(z, 0))
+        p = p / tl.sum(p, 0)
         p = tl.where(es < E, p, -1.0)
         # one max per pick: key = (p's bits, then BLOCK_E-1-index) as int64, which orders by p (>= 0,
         # so its bits order as ints) and then the lowest index first among ties (as torch.topk);
         # padding (p = -1) has a negative key
         key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - es).to(tl.int64)
-        ks = tl.arange(0, K_P)[None, :]
-        sel_w = tl.zeros([z.shape[0], K_P], tl.float32)
-        sel_i = tl.zeros([z.shape[0], K_P], tl.int32)
+        ks = tl.arange(0, K_P)
+        sel_w = tl.zeros([K_P], tl.float32)
+        sel_i = tl.zeros([K_P], tl.int32)
         for i in tl.static_range(TOP_K):  # descending
-            k = tl.max(key, 1)[:, None]
+            k = tl.max(key, 0)
             j = BLOCK_E - 1 - (k & 0xFFFFFFFF).to(tl.int32)
             sel_w = tl.where(ks == i, (k >> 32).to(tl.int32).to(tl.float32, bitcast=True), sel_w)
             sel_i = tl.where(ks == i, j, sel_i)
             key = tl.where(es == j, -1, key)
         if NORM:
-            sel_w = sel_w / tl.sum(sel_w, 1)[:, None]
-        return sel_w, sel_i
-
-    @triton.jit
-    def _store_routing(W_OUT, I_OUT, SG_OUT, X, SG, ts, t_ok, z, E, HID, stride_xt, TOP_K: tl.constexpr,
-                       K_P: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
-                       BLOCK_H: tl.constexpr):
-        """Routes tokens ``ts`` (logits z [len(ts), BLOCK_E] fp32) into W_OUT / I_OUT [T, TOP_K]; with
-        SHARED also the shared expert's gate logit x[t] . SG, rounded to x's dtype as F.linear's is."""
-        sel_w, sel_i = _softmax_topk(z, E, TOP_K, K_P, NORM, BLOCK_E)
-        ks = tl.arange(0, K_P)[None, :]
-        ok = t_ok[:, None] & (ks < TOP_K)
-        tl.store(W_OUT + ts[:, None] * TOP_K + ks, sel_w, mask=ok)
-        tl.store(I_OUT + ts[:, None] * TOP_K + ks, sel_i, mask=ok)
-        if SHARED:
-            g = tl.zeros([ts.shape[0], BLOCK_H], tl.float32)
-            for h0 in range(0, HID, BLOCK_H):
-                hs = h0 + tl.arange(0, BLOCK_H)
-                g += tl.load(X + ts[:, None] * stride_xt + hs[None, :], mask=t_ok[:, None] & (hs < HID)[None, :],
-                             other=0.0).to(tl.float32) * tl.load(SG + hs, mask=hs < HID, other=0.0).to(tl.float32)[None, :]
-            tl.store(SG_OUT + ts, tl.sum(g, 1).to(X.dtype.element_ty).to(tl.float32), mask=t_ok)
-
-    @triton.jit
-    def _route_topk_kernel(LOGITS, W_OUT, I_OUT, X, SG, SG_OUT, E, HID, TOP_K: tl.constexpr, K_P: tl.constexpr,
-                           NORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
-        ts = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # one token a program
-        es = tl.arange(0, BLOCK_E)
-        z = tl.load(LOGITS + ts[:, None] * E + es[None, :], mask=es[None, :] < E, other=0.0).to(tl.float32)
-        _store_routing(W_OUT, I_OUT, SG_OUT, X, SG, ts, ts >= 0, z, E, HID, HID, TOP_K, K_P, NORM, SHARED, BLOCK_E, BLOCK_H)
-
-    @triton.jit
-    def _router_topk_kernel(X, W, PART, COUNT, W_OUT, I_OUT, SG, SG_OUT, T, E, K, stride_xt, stride_wn, K_SPLIT,
-                            SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_P: tl.constexpr, NORM: tl.constexpr,
-                            SHARED: tl.constexpr, WIDEN: tl.constexpr, PREC: tl.constexpr, T_P: tl.constexpr,
-                            BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
-        """The router GEMM over all experts in K splits (one program each); the last to arrive sums
-        the splits in order, rounds the logits to x's dtype (as F.linear's output) and routes every
-        token, so routing costs no launch of its own."""
-        s = tl.program_id(0)
-        ts = tl.arange(0, T_P)
-        t_ok = ts < T
-        es = tl.arange(0, BLOCK_E)
-        e_ok = es < E
-        acc = split_dot(X, W, stride_xt, stride_wn, ts, t_ok, es, e_ok, s * K_SPLIT, K_SPLIT, K, WIDEN, PREC, BLOCK_K)
-        part = PART + ts[:, None] * E + es[None, :]
-        ok = t_ok[:, None] & e_ok[None, :]
-        tl.store(part + s * T * E, acc, mask=ok)
-        if last_to_arrive(COUNT, 0, SPLITS):
-            z = tl.zeros([T_P, BLOCK_E], tl.float32)
-            for j in range(SPLITS):
-                z += tl.load(part + j * T * E, mask=ok, other=0.0, cache_modifier=".cg")
-            z = z.to(X.dtype.element_ty).to(tl.float32)
-            _store_routing(W_OUT, I_OUT, SG_OUT, X, SG, ts, t_ok, z, E, K, stride_xt, TOP_K, K_P, NORM, SHARED, BLOCK_E, BLOCK_H)
+            sel_w = sel_w / tl.sum(sel_w, 0)
+        tl.store(W_OUT + t * TOP_K + ks, sel_w, mask=ks < TOP_K)
+        tl.store(I_OUT + t * TOP_K + ks, sel_i, mask=ks < TOP_K)
 
     @triton.jit
     def _swiglu_gemv_kernel(X, WG, WU, IDX, SG, SU, OUT, P, N, NS, K, stride_we, stride_wn, stride_sn,
@@ -212,73 +166,28 @@ class Routing(NamedTuple):
     shared_logit: torch.Tensor | None
 
 
-def _routing_outputs(name: str, T: int, top_k: int, E: int, x: torch.Tensor | None, shared_gate: torch.Tensor | None,
-                     device: torch.device) -> Routing:
-    """Checks the shared gate against x; allocates the routing result."""
-    if not 0 < top_k <= E:
-        raise ValueError(f"{name}: top_k={top_k} must be in [1, {E}] (experts)")
-    shared = shared_gate is not None
-    if shared and (x is None or x.shape[0] != T or shared_gate.shape != (1, x.shape[1])):
-        raise ValueError(f"{name}: shared_gate {tuple(shared_gate.shape)} must be [1, H] for x "
-                         f"{None if x is None else tuple(x.shape)} of {T} tokens")
-    return Routing(torch.empty(T, top_k, device=device, dtype=torch.float32),
-                   torch.empty(T, top_k, device=device, dtype=torch.int32),
-                   torch.empty(T, device=device, dtype=torch.float32) if shared else None)
-
-
-def _routing_flags(r: Routing, top_k: int, E: int, norm: bool, x: torch.Tensor | None) -> dict[str, object]:
-    hid = 1 if r.shared_logit is None else x.shape[1]
-    return {"TOP_K": top_k, "K_P": triton.next_power_of_2(top_k), "NORM": norm, "SHARED": r.shared_logit is not None,
-            "BLOCK_H": min(512, triton.next_power_of_2(hid))}
-
-
 def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, x: torch.Tensor | None = None,
                shared_gate: torch.Tensor | None = None) -> Routing:
     """Softmax over router ``logits`` [T, E] and its top-k (renormalised if asked); with ``x`` [T, H]
     and ``shared_gate`` [1, H] also the shared expert's gate logit ``x @ shared_gate.T``."""
     T, E = logits.shape
-    r = _routing_outputs("route_topk", T, top_k, E, x, shared_gate, logits.device)
+    if not 0 < top_k <= E:
+        raise ValueError(f"route_topk: top_k={top_k} must be in [1, {E}] (experts)")
+    shared = shared_gate is not None
+    if shared and (x is None or x.shape[0] != T or shared_gate.shape != (1, x.shape[1])):
+        raise ValueError(f"route_topk: shared_gate {tuple(shared_gate.shape)} must be [1, H] for x "
+                         f"{None if x is None else tuple(x.shape)} of {T} tokens")
+    w = torch.empty(T, top_k, device=logits.device, dtype=torch.float32)
+    i = torch.empty(T, top_k, device=logits.device, dtype=torch.int32)
+    sl = torch.empty(T, device=logits.device, dtype=torch.float32) if shared else None
     if T:
-        xs = x.contiguous() if r.shared_logit is not None else r.weights
-        sl = r.weights if r.shared_logit is None else r.shared_logit
-        _route_topk_kernel[(T,)](logits.contiguous(), r.weights, r.experts, xs, xs if shared_gate is None else shared_gate,
-                                 sl, E, xs.shape[-1], BLOCK_E=triton.next_power_of_2(E),
-                                 **_routing_flags(r, top_k, E, norm_topk_prob, x))
-    return r
-
-
-# Routing fused into the router GEMM (``router_topk``) for up to MAX_ROWS tokens and this many experts:
-# the last program holds all logits ([16, E] fp32) and routes them.
-MAX_FUSED_EXPERTS = 1024
-
-
-def router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool,
-                shared_gate: torch.Tensor | None = None, **launch) -> Routing:
-    """``route_topk(x @ router_weight.T, ...)``: the router GEMM and the routing in one launch
-    where it fits (at most ``MAX_ROWS`` tokens and ``MAX_FUSED_EXPERTS`` experts, router weight
-    in x's dtype with unit stride on H), else the two launches. ``launch`` overrides BLOCK_K /
-    splits / num_warps (``benchmarks/tune_moe.py``)."""
-    T, H = x.shape
-    E = router_weight.shape[0]
-    if router_weight.shape != (E, H):
-        raise ValueError(f"router_topk: router_weight {tuple(router_weight.shape)} must be [E, {H}] for x {tuple(x.shape)}")
-    if (T > MAX_ROWS or E > MAX_FUSED_EXPERTS or router_weight.dtype != x.dtype or x.dtype == torch.float64
-            or router_weight.stride(1) != 1):
-        return route_topk(decode_linear(x, router_weight), top_k, norm_topk_prob, x, shared_gate)
-    r = _routing_outputs("router_topk", T, top_k, E, x, shared_gate, x.device)
-    if T:
-        x = x if x.stride(1) == 1 else x.contiguous()
-        block_e = triton.next_power_of_2(E)
-        # H200, 35B router (256 x 2048): BLOCK_K 128 in 16 splits (benchmarks/tune_moe.py --router)
-        cfg = {"BLOCK_K": 128 if block_e <= 256 else 64, "splits": 16, "num_warps": 4, **launch}
-        k_split, splits = split_k(H, cfg.pop("splits"), cfg["BLOCK_K"])
-        part = torch.empty(splits, T, E, device=x.device, dtype=torch.float32)
-        _router_topk_kernel[(splits,)](
-            x, router_weight, part, arrival_counters(x.device, 1), r.weights, r.experts,
-            x if shared_gate is None else shared_gate, r.weights if r.shared_logit is None else r.shared_logit,
-            T, E, H, x.stride(0), router_weight.stride(0), k_split, SPLITS=splits, T_P=MAX_ROWS, BLOCK_E=block_e,
-            **_routing_flags(r, top_k, E, norm_topk_prob, x), **dot_flags(x.dtype), **cfg)
-    return r
+        xs = x.contiguous() if shared else w
+        hid = x.shape[1] if shared else 1
+        _route_topk_kernel[(T,)](logits.contiguous(), w, i, xs, shared_gate if shared else w, w if sl is None else sl,
+                                 E, hid, TOP_K=top_k, K_P=triton.next_power_of_2(top_k), NORM=norm_topk_prob,
+                                 SHARED=shared, BLOCK_E=triton.next_power_of_2(E),
+                                 BLOCK_H=min(1024, triton.next_power_of_2(hid)))
+    return Routing(w, i, sl)
 
 
 def _check_experts(name: str, x: torch.Tensor, w: torch.Tensor, k_dim: int) -> None:
@@ -401,9 +310,9 @@ def shared_expert_reference(x: torch.Tensor, shared: SharedExpert) -> torch.Tens
 def moe_gemv(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
              norm_topk_prob: bool, shared: SharedExpert | None = None) -> torch.Tensor:
     """Same contract as ``Backend.moe`` (softmax router, top-k SwiGLU experts, optional shared
-    expert) at decode sizes in three launches: the router GEMM with the routing and the shared
-    gate (``router_topk``), routed and shared SwiGLU, down projections + combine."""
-    r = router_topk(x, router_weight, top_k, norm_topk_prob, None if shared is None else shared.gate)
+    expert) at decode sizes: the router GEMM (``decode_linear``)
+    and three launches (route + shared gate, routed and shared SwiGLU, down projections + combine)."""
+    r = route_topk(decode_linear(x, router_weight), top_k, norm_topk_prob, x, None if shared is None else shared.gate)
     inter = down.shape[-1]
     gate, up, idx = gate_up[:, :inter], gate_up[:, inter:], r.experts.view(-1)
     if shared is None:
