@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from wmtp.kernels.norm import add_rms_norm, embed_norm_cat, norm_rope, rms_norm  # noqa: E402
+from wmtp.kernels.norm import add_rms_norm, embed_norm_cat, norm_rope, qk_norm_rope, rms_norm  # noqa: E402
 from wmtp.kernels.torch_gdn import gated_rms_norm  # noqa: E402
 from wmtp.models.backend import TorchBackend  # noqa: E402
 
@@ -112,6 +112,33 @@ def test_norm_rope_matches_reference(dim, rot, norm, offset, dtype):
     assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rot,norm,offset", [(8, True, True), (32, True, False), (16, False, False)])
+def test_qk_norm_rope_matches_reference(rot, norm, offset, dtype):
+    """q and k in one launch: q a strided view (the gated half of the fused projection) with 4 heads,
+    k another view with 2 and its own weight; against TorchBackend.qk_norm_rope (two norm_ropes)."""
+    from wmtp.models.rope import RotaryEmbedding, normalize_rope_config
+
+    g = torch.Generator().manual_seed(rot)
+    T, H, HK, D = 3, 4, 2, 32
+    fused = (torch.randn(T, H * 2 * D + 2 * HK * D, generator=g) * 2).to(DEVICE, dtype)
+    q = fused[:, :H * 2 * D].view(T, H, 2 * D)[..., :D]
+    k = fused[:, H * 2 * D:H * 2 * D + HK * D].view(T, HK, D)
+    wq, wk = ((torch.randn(D, generator=g) * 0.3 + (0 if offset else 1)).to(DEVICE, dtype) if norm else None
+              for _ in range(2))
+    rope = RotaryEmbedding(normalize_rope_config({"rope_theta": 10000.0, "partial_rotary_factor": rot / D}), D,
+                           4096).to(DEVICE)
+    cos, sin = rope(torch.tensor([7, 8, 4000], device=DEVICE))
+    want = TorchBackend().qk_norm_rope(q, k, cos, sin, wq, wk, 1e-6, offset)
+    got = qk_norm_rope(q, k, cos, sin, wq, wk, 1e-6, offset)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous()
+        assert (a.float() - b.float()).abs().max().item() <= tol * b.float().abs().max().item()
+    if norm:  # each tensor took its own weight
+        assert not torch.allclose(got[1], norm_rope(k, cos, sin, wq, 1e-6, offset))
+
+
 def test_norm_rope_errors_name_the_tensors():
     x = torch.zeros(2, 3, 8, device=DEVICE)
     cos = torch.zeros(2, 8, device=DEVICE)
@@ -121,6 +148,12 @@ def test_norm_rope_errors_name_the_tensors():
         norm_rope(x, cos, cos, torch.ones(4, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match="x"):
         norm_rope(x[0], cos, cos, None, 1e-6)
+    with pytest.raises(ValueError, match="qk_norm_rope: q .* and k"):
+        qk_norm_rope(x, torch.zeros(2, 1, 4, device=DEVICE), cos, cos, None, None, 1e-6)
+    with pytest.raises(ValueError, match="both or neither"):
+        qk_norm_rope(x, x, cos, cos, torch.ones(8, device=DEVICE), None, 1e-6)
+    with pytest.raises(ValueError, match=r"norm_rope: weight \(4,\)"):
+        qk_norm_rope(x, x, cos, cos, torch.ones(8, device=DEVICE), torch.ones(4, device=DEVICE), 1e-6)
 
 
 def test_shape_errors_name_the_tensors():

@@ -92,16 +92,19 @@ if triton is not None:
 
 
 def linear_tiles(rows: int, n: int, k: int) -> LinearTiles | None:
-    """The kernel's tiles for ``rows`` x [n, k], or None where cuBLAS is as fast: more than
-    ``MAX_ROWS`` rows, or outputs wider than 4096 (there cuBLAS's unsplit tiles read the weight
-    at ~3.2 TB/s). Measured on the H200 (``benchmarks/tune_linear.py``,
-    tuning/tune_linear_s8.json): 4096 -> 2048 at 32 x 256 tiles in 4 K splits, 7.8 us against
-    cuBLAS's 8.9 (1 row) / 9.8 (8 rows); the 2048 -> 256 router at 16 x 128 in 8 splits, 3.9
-    against 5.7-5.8; 2048 -> 9216 lost (12.2 against 11.7)."""
-    if not 0 < rows <= MAX_ROWS or n > 4096:
+    """The kernel's tiles for ``rows`` x [n, k], or None where cuBLAS is as fast or it was not
+    measured: more than ``MAX_ROWS`` rows, outputs between 4096 and 12288 wide or over 16384. Measured on the H200 against cuBLAS
+    (``benchmarks/tune_linear.py``; tuning/tune_linear_s8.json, tune_linear_s9.json):
+    4096 -> 2048 at 32 x 256 tiles in 4 K splits, 7.8 us against 8.9 (1 row) / 9.8 (8 rows); the
+    2048 -> 256 router at 16 x 128 in 8 splits, 3.9 against 5.7-5.8; the GDN in_proj 2048 -> 12352
+    unsplit at 32 x 128, 4 stages, 14.1 / 14.5 against 15.5 / 15.9; the attention qkv 2048 -> 9216
+    lost at every tile (12.0 at best against 11.6-11.8), so that width stays on cuBLAS."""
+    if not 0 < rows <= MAX_ROWS or 4096 < n < 12288 or n > 16384:
         return None
     if n <= 1024:
         return LinearTiles(16, 128, 8, 4)
+    if n >= 12288:
+        return LinearTiles(32, 128, 1, 4, 4)
     return LinearTiles(32, 256, 4 if k >= 4096 else 1, 4)
 
 

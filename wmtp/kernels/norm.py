@@ -78,12 +78,20 @@ if triton is not None:
         return y.to(X.dtype.element_ty).to(tl.float32)
 
     @triton.jit
-    def _norm_rope_kernel(X, W, COS, SIN, OUT, stride_xt, stride_xh, stride_ct, H, D, HALF, eps,
-                          NORM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    def _norm_rope_kernel(X, W, OUT, X2, W2, OUT2, COS, SIN, stride_xt, stride_xh, stride_x2t, stride_x2h, stride_ct,
+                          H, H2, T, D, HALF, eps, NORM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_R: tl.constexpr):
+        """Program (token, head) of X's T x H heads, then of X2's T x H2 (the second tensor of the
+        launch: k after q, with its own strides and norm weight; H2 = 0 for one tensor)."""
         pid = tl.program_id(0)
-        t = (pid // H).to(tl.int64)
-        x_row = X + t * stride_xt + (pid % H) * stride_xh
-        out_row = OUT + pid.to(tl.int64) * D
+        second = pid >= T * H
+        p = tl.where(second, pid - T * H, pid)
+        heads = tl.where(second, H2, H)
+        t = (p // heads).to(tl.int64)
+        h = p % heads
+        x_row = tl.where(second, X2 + t * stride_x2t + h * stride_x2h, X + t * stride_xt + h * stride_xh)
+        w = tl.where(second, W2, W)
+        out_row = tl.where(second, OUT2, OUT) + p.to(tl.int64) * D
         rstd = 0.0
         if NORM:
             cols = tl.arange(0, BLOCK_D)
@@ -92,8 +100,8 @@ if triton is not None:
         # rotate_half over the first 2*HALF channels: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
         i = tl.arange(0, BLOCK_R)
         ok = i < HALF
-        x1 = _normed(x_row, W, i, ok, rstd, NORM, OFFSET)
-        x2 = _normed(x_row, W, i + HALF, ok, rstd, NORM, OFFSET)
+        x1 = _normed(x_row, w, i, ok, rstd, NORM, OFFSET)
+        x2 = _normed(x_row, w, i + HALF, ok, rstd, NORM, OFFSET)
         c = tl.load(COS + t * stride_ct + i, mask=ok, other=0.0).to(tl.float32)
         s = tl.load(SIN + t * stride_ct + i, mask=ok, other=0.0).to(tl.float32)
         dt = OUT.dtype.element_ty
@@ -101,7 +109,7 @@ if triton is not None:
         tl.store(out_row + i + HALF, (x2 * c + x1 * s).to(dt), mask=ok)
         for r0 in range(2 * HALF, D, BLOCK_R):  # channels past the rotary part pass through (normed)
             j = r0 + tl.arange(0, BLOCK_R)
-            tl.store(out_row + j, _normed(x_row, W, j, j < D, rstd, NORM, OFFSET).to(dt), mask=j < D)
+            tl.store(out_row + j, _normed(x_row, w, j, j < D, rstd, NORM, OFFSET).to(dt), mask=j < D)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
@@ -167,19 +175,43 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: tor
     """Per-head RMSNorm (when ``weight`` [D] is given) then rotate_half RoPE of the first
     ``rot_dim = cos.shape[-1]`` channels. x [T, heads, D] (any strides with a unit last one, e.g.
     a view into a fused projection); cos, sin [T, rot_dim]. Returns a new contiguous [T, heads, D]."""
-    if x.dim() != 3 or x.stride(-1) != 1:
-        raise ValueError(f"norm_rope: x {tuple(x.shape)} must be [T, heads, D] with unit stride on D")
+    return _norm_rope_launch(((x, weight),), cos, sin, eps, offset)[0]
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
+                 k_weight: torch.Tensor | None, eps: float, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm_rope`` of q and of k (each with its own norm weight, both or neither given; same
+    head_dim and dtype) in one launch."""
+    if (q_weight is None) != (k_weight is None) or q.dtype != k.dtype or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must share "
+                         "head_dim and dtype, and have norm weights both or neither")
+    return _norm_rope_launch(((q, q_weight), (k, k_weight)), cos, sin, eps, offset)
+
+
+def _norm_rope_launch(parts, cos: torch.Tensor, sin: torch.Tensor, eps: float, offset: bool) -> tuple[torch.Tensor, ...]:
+    """Checks each (x, weight) of ``parts`` (one or two) and launches ``_norm_rope_kernel`` over them."""
+    outs = []
+    for x, weight in parts:
+        if x.dim() != 3 or x.stride(-1) != 1:
+            raise ValueError(f"norm_rope: x {tuple(x.shape)} must be [T, heads, D] with unit stride on D")
+        T, H, D = x.shape
+        rot = cos.shape[-1]
+        if (cos.shape != (T, rot) or sin.shape != cos.shape or rot % 2 or not 0 < rot <= D
+                or cos.stride() != sin.stride()):
+            raise ValueError(f"norm_rope: cos {tuple(cos.shape)} / sin {tuple(sin.shape)} must be [{T}, rot_dim] "
+                             f"(same strides) with an even rot_dim <= head_dim {D}")
+        if weight is not None and weight.shape != (D,):
+            raise ValueError(f"norm_rope: weight {tuple(weight.shape)} must be [{D}]")
+        outs.append(torch.empty(T, H, D, device=x.device, dtype=x.dtype))
+    (x, w), (x2, w2) = parts[0], parts[-1]
+    out, out2 = outs[0], outs[-1]
     T, H, D = x.shape
-    rot = cos.shape[-1]
-    if cos.shape != (T, rot) or sin.shape != cos.shape or rot % 2 or not 0 < rot <= D or cos.stride() != sin.stride():
-        raise ValueError(f"norm_rope: cos {tuple(cos.shape)} / sin {tuple(sin.shape)} must be [{T}, rot_dim] "
-                         f"(same strides) with an even rot_dim <= head_dim {D}")
-    if weight is not None and weight.shape != (D,):
-        raise ValueError(f"norm_rope: weight {tuple(weight.shape)} must be [{D}]")
-    out = torch.empty(T, H, D, device=x.device, dtype=x.dtype)
+    H2 = x2.shape[1] if len(parts) == 2 else 0
     if T:
         cos, sin = (c if c.stride(-1) == 1 else c.contiguous() for c in (cos, sin))
-        _norm_rope_kernel[(T * H,)](x, x if weight is None else weight, cos, sin, out, x.stride(0), x.stride(1),
-                                    cos.stride(0), H, D, rot // 2, eps, NORM=weight is not None, OFFSET=offset,
-                                    BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(rot // 2))
-    return out
+        rot = cos.shape[-1]
+        _norm_rope_kernel[(T * (H + H2),)](
+            x, x if w is None else w, out, x2, x2 if w2 is None else w2, out2, cos, sin, x.stride(0), x.stride(1),
+            x2.stride(0), x2.stride(1), cos.stride(0), H, H2, T, D, rot // 2, eps, NORM=w is not None, OFFSET=offset,
+            BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(rot // 2))
+    return tuple(outs)

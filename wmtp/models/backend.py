@@ -41,6 +41,13 @@ class Backend(ABC):
             x = self.rms_norm(x, weight, eps, offset)
         return apply_rotary(x, cos, sin)
 
+    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                     offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm_rope`` of the queries [T, heads, D] and of the keys [T, kv_heads, D], each with its
+        own norm weight (both or neither given)."""
+        return self.norm_rope(q, cos, sin, q_weight, eps, offset), self.norm_rope(k, cos, sin, k_weight, eps, offset)
+
     def embed_norm_cat(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, w_e: torch.Tensor,
                        w_h: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
         """The MTP layer's fc input: ``cat(rms_norm(embed[ids], w_e), rms_norm(hidden, w_h))`` [T, 2H]."""
@@ -350,6 +357,13 @@ class TritonBackend(TorchBackend):
         from wmtp.kernels.norm import norm_rope
 
         return norm_rope(x, cos, sin, weight, eps, offset)
+
+    def qk_norm_rope(self, q, k, cos, sin, q_weight, k_weight, eps, offset):
+        if q.dtype == torch.float64:
+            return super().qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, offset)
+        from wmtp.kernels.norm import qk_norm_rope
+
+        return qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, offset)
 
     def gated_rms_norm(self, x, gate, weight, eps):
         if x.dtype == torch.float64:

@@ -110,22 +110,18 @@ class Attention(nn.Module):
         self.qk_norm, self.eps, self.norm_offset = cfg.qk_norm, cfg.rms_norm_eps, cfg.norm_offset
         self.scale = cfg.head_dim**-0.5
 
-    def _norm_rope(self, x: torch.Tensor, norm: str, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Per-head q/k norm (when the model has one) and RoPE, one backend op."""
-        n = getattr(self, norm) if self.qk_norm else None
-        return self.backend.norm_rope(x, *cos_sin, None if n is None else n.weight, self.eps, self.norm_offset)
+    def _norm_weight(self, norm: str) -> torch.Tensor | None:
+        return getattr(self, norm).weight if self.qk_norm else None
 
-    def _kv(self, k: torch.Tensor, v: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-position K (normed, rotated) and V from their projections: all a cache slot holds."""
+    def _kv_heads(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = k.shape[0]
-        k, v = k.view(t, self.num_kv_heads, self.head_dim), v.view(t, self.num_kv_heads, self.head_dim)
-        return self._norm_rope(k, "k_norm", cos_sin), v
+        return k.view(t, self.num_kv_heads, self.head_dim), v.view(t, self.num_kv_heads, self.head_dim)
 
     def write_kv(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> None:
         """Fill cache slots without attending (draft-prefill sparsification, DESIGN §4): the K / V
-        rows only, no query."""
-        k, v = self._kv(*self.qkv_proj.forward_parts(x, "k_proj", "v_proj"), cos_sin)
+        rows only (K normed and rotated), no query."""
+        k, v = self._kv_heads(*self.qkv_proj.forward_parts(x, "k_proj", "v_proj"))
+        k = self.backend.norm_rope(k, *cos_sin, self._norm_weight("k_norm"), self.eps, self.norm_offset)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.write_slots)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
@@ -136,8 +132,9 @@ class Attention(nn.Module):
             q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         else:
             q = q.view(t, self.num_heads, self.head_dim)
-        q = self._norm_rope(q, "q_norm", cos_sin)
-        k, v = self._kv(k, v, cos_sin)
+        k, v = self._kv_heads(k, v)
+        q, k = self.backend.qk_norm_rope(q, k, *cos_sin, self._norm_weight("q_norm"), self._norm_weight("k_norm"),
+                                         self.eps, self.norm_offset)  # per-head q/k norm (if any) and RoPE
         o = self.backend.attention(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, gate)
         return self.o_proj(o.reshape(t, -1))
 
