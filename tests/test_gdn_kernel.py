@@ -97,53 +97,70 @@ _BF16_GPU = pytest.param(torch.bfloat16, marks=[pytest.mark.gpu, pytest.mark.ski
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, _BF16_GPU])
 @pytest.mark.parametrize("block_v", [16, 32])
 @pytest.mark.parametrize("record", [False, True])
-def test_recurrent_folded_gates_match_reference(record, block_v, dtype):
-    """gdn_recurrent computes g, beta in-kernel from strided a, b views of a fused ba projection:
-    GVA (HV = 2 HK), requests of different q_len, Dv not a multiple of block_v, a + dt_bias past
-    softplus' threshold."""
-    from wmtp.kernels.gdn import gdn_recurrent
+def test_gdn_decode_matches_reference(record, block_v, dtype):
+    """gdn_decode (conv + delta rule, one launch) against causal_conv1d then the delta rule per
+    request: x a strided column view of a wider packed projection, g / beta from strided a, b
+    views of a fused ba projection, GVA (HV = 2 HK), requests of different q_len (equal when
+    recording), Dv not a multiple of block_v, a + dt_bias past softplus' threshold. Checks o, the
+    ssm and conv states left in the slots (others untouched), and the recorded windows and states."""
+    from wmtp.kernels.gdn import gdn_decode
+    from wmtp.kernels.torch_gdn import causal_conv1d
 
     gen = torch.Generator().manual_seed(block_v + record)
-    q_lens, slots, hk, hv, dk, dv = [5, 1, 3], [4, 0, 2], 2, 4, 16, 40
-    T = sum(q_lens)
+    q_lens = [3, 3, 3] if record else [5, 1, 3]
+    slots, hk, hv, dk, dv = [4, 0, 2], 2, 4, 16, 40
+    T, C = sum(q_lens), 2 * hk * dk + hv * dv
     t = _gate_inputs(T, hk, hv, gen)
     t["ba"][0, 1, 2] = 30.0  # a of v-head 2 at token 0: softplus(x) = x beyond 20
-    qkv = torch.randn(T, 2 * hk * dk + hv * dv, generator=gen)
-    t = _split_ba({k: x.to(DEVICE, dtype) for k, x in {**t, "qkv": qkv}.items()})
-    q, k, v = t.pop("qkv").split([hk * dk, hk * dk, hv * dv], dim=-1)
-    q, k, v = q.view(T, hk, dk), k.view(T, hk, dk), v.view(T, hv, dv)
+    packed = torch.randn(T, C + 9, generator=gen)
+    t = {**t, "conv_weight": torch.randn(C, 4, generator=gen) * 0.5, "conv_state": torch.randn(5, C, 3, generator=gen)}
+    t = _split_ba({k: x.to(DEVICE, dtype) for k, x in t.items()})
+    x = packed.to(DEVICE, dtype)[:, :C]  # rows strided, as the packed in_proj's view
     state = (torch.randn(5, hv, dk, dv, generator=gen) * 0.1).to(DEVICE)
-    want_state = state.clone()
+    conv_state, want_state, want_conv = t["conv_state"], state.clone(), t["conv_state"].clone()
+    old_conv = conv_state.clone()
     offs = [sum(q_lens[:i]) for i in range(len(q_lens))]
     i32 = dict(device=DEVICE, dtype=torch.int32)
-    o, rec = gdn_recurrent(q, k, v, t["a"], t["b"], t["A_log"], t["dt_bias"], state, torch.tensor(slots, device=DEVICE),
-                           torch.tensor(offs, **i32), torch.tensor(q_lens, **i32), record, block_v=block_v)
-    assert (rec is not None) == record
+    o, win, rec = gdn_decode(x, t["conv_weight"], conv_state, t["a"], t["b"], t["A_log"], t["dt_bias"], state,
+                             torch.tensor(slots, device=DEVICE), torch.tensor(offs, **i32), torch.tensor(q_lens, **i32),
+                             q_lens[0] if record else None, block_v=block_v)
+    assert (rec is not None) == (win is not None) == record
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for lo, n, slot in zip(offs, q_lens, slots):
+    # half precision: a conv output may land an ulp apart from torch's at a rounding boundary
+    state_tol = 1e-5 if dtype == torch.float32 else 1e-3
+    for b, (lo, n, slot) in enumerate(zip(offs, q_lens, slots)):
         rows = slice(lo, lo + n)
-        o_ref, s_ref = _reference_recurrent(q[rows], k[rows], v[rows], t["a"][rows], t["b"][rows], t["A_log"],
-                                            t["dt_bias"], want_state[slot])
+        y, want_conv[slot] = causal_conv1d(x[rows], t["conv_weight"], old_conv[slot])
+        q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        o_ref, s_ref = _reference_recurrent(q.view(n, hk, dk), k.view(n, hk, dk), v.view(n, hv, dv), t["a"][rows],
+                                            t["b"][rows], t["A_log"], t["dt_bias"], want_state[slot])
         want_state[slot] = s_ref[-1]
         assert (o[rows].float() - o_ref.float()).abs().max().item() < tol
         if record:
-            assert (rec[rows] - s_ref).abs().max().item() < 1e-5
-    assert (state - want_state).abs().max().item() < 1e-5  # untouched slots too
+            assert (rec[rows] - s_ref).abs().max().item() < state_tol
+            assert torch.equal(win[b, :3], old_conv[slot].T)  # the old context (oldest first), then the inputs
+            assert torch.equal(win[b, 3:], x[rows])
+    assert (state - want_state).abs().max().item() < state_tol
+    assert torch.equal(conv_state, want_conv)
 
 
-def test_recurrent_rejects_bad_gates():
-    from wmtp.kernels.gdn import gdn_recurrent
+def test_gdn_decode_rejects_bad_input():
+    from wmtp.kernels.gdn import gdn_decode
 
-    t, ctx, (hk, hv, dk, dv, _) = _inputs([2])
-    T = 2
-    q = t["mixed_qkv"][:, : hk * dk].reshape(T, hk, dk)
-    v = torch.zeros(T, hv, dv, device=DEVICE)
-    lens = [torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.full((1,), T, dtype=torch.int32, device=DEVICE)]
-    args = (t["ssm_state"], ctx["state_slots"], *lens, False)
-    with pytest.raises(ValueError, match="gdn_recurrent: a"):
-        gdn_recurrent(q, q, v, t["a"], t["b"], t["A_log"][:-1], t["dt_bias"], *args)
-    with pytest.raises(ValueError, match="block_v"):
-        gdn_recurrent(q, q, v, t["a"], t["b"], t["A_log"], t["dt_bias"], *args, block_v=24)
+    T, hk, hv, dk, dv = 2, 1, 2, 16, 8
+    C = 2 * hk * dk + hv * dv
+    t = _split_ba(_gate_inputs(T, hk, hv, torch.Generator().manual_seed(0)))
+    x, w, conv = torch.zeros(T, C), torch.zeros(C, 4), torch.zeros(3, C, 3)
+    i32 = dict(dtype=torch.int32)
+    tail = (torch.zeros(3, hv, dk, dv), torch.tensor([0]), torch.tensor([0], **i32), torch.tensor([T], **i32))
+    with pytest.raises(ValueError, match="gdn_decode: a"):
+        gdn_decode(x, w, conv, t["a"], t["b"], t["A_log"][:-1], t["dt_bias"], *tail)
+    with pytest.raises(ValueError, match="block_v=24"):
+        gdn_decode(x, w, conv, t["a"], t["b"], t["A_log"], t["dt_bias"], *tail, block_v=24)
+    with pytest.raises(ValueError, match="gdn_decode: conv_weight"):
+        gdn_decode(x, w[:, :3], conv, t["a"], t["b"], t["A_log"], t["dt_bias"], *tail)
+    with pytest.raises(ValueError, match=r"gdn_decode: x \(2, 47\) must hold q \| k \| v"):
+        gdn_decode(x[:, :-1], w, conv, t["a"], t["b"], t["A_log"], t["dt_bias"], *tail)
 
 
 def test_long_pieces_without_fla_use_the_reference():
@@ -189,42 +206,6 @@ def test_bf16_35b_shape_gpu():
     got = TritonBackend().gated_delta_net(**t, ctx=ForwardContext(**ctx, record_states=True), layer_idx=0, dims=dims)
     assert (got.float() - want.float()).abs().max().item() < 2e-2
     assert (t["ssm_state"] - ref["ssm_state"]).abs().max().item() < 1e-3
-
-
-@pytest.mark.parametrize("q_lens,record,strided", [([1, 4, 2], False, False), ([3, 3], True, False), ([1], True, False),
-                                                   ([2, 2], True, True)])
-def test_conv_update_matches_causal_conv1d(q_lens, record, strided):
-    """The fused decode conv (all requests in one launch, state slots updated in place, rollback
-    windows recorded) against the reference conv per request; ``strided``: x is a column view of a
-    wider packed projection output, read in place."""
-    from wmtp.kernels.gdn import conv_update
-    from wmtp.kernels.torch_gdn import causal_conv1d
-
-    g = torch.Generator().manual_seed(len(q_lens))
-    C, T = 40, sum(q_lens)  # C not a multiple of the channel block
-    x = torch.randn(T, C + 9 * strided, generator=g).to(DEVICE)[:, :C]
-    w = torch.randn(C, 4, generator=g).to(DEVICE)
-    state = torch.randn(5, C, 3, generator=g).to(DEVICE)
-    slots = torch.tensor([4, 1, 2][: len(q_lens)], device=DEVICE)
-    offs = [sum(q_lens[:b]) for b in range(len(q_lens))]
-    old_state, want_state = state.clone(), state.clone()
-    want = []
-    for b, n in enumerate(q_lens):
-        y, new = causal_conv1d(x[offs[b] : offs[b] + n], w, state[slots[b]])
-        want.append(y)
-        want_state[slots[b]] = new
-    i32 = dict(device=DEVICE, dtype=torch.int32)
-    got, win = conv_update(x, w, state, slots, torch.tensor(offs, **i32), torch.tensor(q_lens, **i32),
-                           q_lens[0] if record else None)
-    assert torch.allclose(got, torch.cat(want), atol=1e-5)
-    assert torch.allclose(state, want_state)
-    if record:
-        for b, n in enumerate(q_lens):  # rows: the old context (oldest first), then the inputs
-            assert torch.equal(win[b, :3], old_state[slots[b]].T)
-            assert torch.equal(win[b, 3:], x[offs[b] : offs[b] + n])
-    with pytest.raises(ValueError, match="conv_update: weight"):
-        conv_update(x, torch.zeros(C, 3, device=DEVICE), state, slots, torch.tensor(offs, **i32),
-                    torch.tensor(q_lens, **i32))
 
 
 @pytest.mark.parametrize("layout", ["fused", "split"])

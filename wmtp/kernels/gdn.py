@@ -1,13 +1,15 @@
-"""Triton recurrent gated delta rule for decode / verify (a few tokens per request).
+"""Triton GDN mixer for decode / verify (a few tokens per request): conv + gated delta rule in one launch.
 
-One program owns (request, value head, block of value dims): it keeps that slice of the recurrent
-state [Dk, BLOCK_V] in registers, runs the request's tokens through the delta rule (same math as
-``torch_gdn.gated_delta_rule_recurrent``: q, k L2-normalised in-kernel, q scaled by Dk**-0.5), and
-writes the state back to its pool slot. The gates g, beta are computed in-kernel from the raw ``a``,
-``b`` projections (``torch_gdn.gdn_gates``' math), which saves the separate gates launch per layer.
-With ``record`` it also writes the state after every token, which is what the engine rolls back to
-after a partially accepted verify. All requests of a forward run in one launch; nothing syncs with
-the host. The twin is ``TorchBackend.gated_delta_net``.
+One program owns (request, value head, block of value dims). It convolves (kernel 4, SiLU) the
+q, k and v channels it reads straight from the packed projection rows, keeping their left context
+in registers, and keeps its slice of the recurrent state [Dk, BLOCK_V] in registers while the
+request's tokens run through the delta rule (same math as ``torch_gdn.gated_delta_rule_recurrent``:
+q, k L2-normalised in-kernel, q scaled by Dk**-0.5); then it writes the state and the conv context
+back to the pool slot. The gates g, beta are computed in-kernel from the raw ``a``, ``b``
+projections (``torch_gdn.gdn_gates``' math). So a GDN layer's decode costs one launch, not three.
+With ``record`` it also writes the state after every token and the conv window, which is what the
+engine rolls back to after a partially accepted verify. All requests of a forward run in one
+launch; nothing syncs with the host. The twin is ``TorchBackend.gated_delta_net``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import math
 
 import torch
 
+from wmtp.kernels.common import arrival_counters
 from wmtp.kernels.torch_gdn import L2NORM_EPS
 
 try:
@@ -28,6 +31,7 @@ except ImportError:  # pragma: no cover
 MAX_RECURRENT_TOKENS = 16
 
 if triton is not None:
+    from wmtp.kernels.common import last_to_arrive
 
     @triton.jit
     def _gate_values(a, b, a_log, dt_bias):
@@ -40,53 +44,110 @@ if triton is not None:
         return g, beta.to(b.dtype)
 
     @triton.jit
-    def _token_inputs(Q, K, V, A, B, row, live, hk, h, R, ks, vs, v_ok, stride_qt, stride_qh, stride_vt, stride_vh,
-                      stride_at, stride_ag, stride_bt, stride_bg):
-        """One token's q, k [DK], v [BLOCK_V] and raw gates a, b for v-head h (zeros where not ``live``)."""
-        q = tl.load(Q + row * stride_qt + hk * stride_qh + ks, mask=live & (ks >= 0), other=0.0)
-        k = tl.load(K + row * stride_qt + hk * stride_qh + ks, mask=live & (ks >= 0), other=0.0)
-        v = tl.load(V + row * stride_vt + h * stride_vh + vs, mask=live & v_ok, other=0.0)
+    def _token_inputs(X, A, B, row, live, cq, ck, cv, v_ok, h, R, stride_xt, stride_at, stride_ag, stride_bt, stride_bg):
+        """One token's conv inputs (raw projection rows) for the q, k [DK] and v [BLOCK_V] channels,
+        and its raw gates a, b for v-head h (zeros where not ``live``)."""
+        x = X + row.to(tl.int64) * stride_xt
+        xq = tl.load(x + cq, mask=live & (cq >= 0), other=0.0)
+        xk = tl.load(x + ck, mask=live & (ck >= 0), other=0.0)
+        xv = tl.load(x + cv, mask=live & v_ok, other=0.0)
         a = tl.load(A + row * stride_at + (h // R) * stride_ag + h % R, mask=live, other=0.0)
         b = tl.load(B + row * stride_bt + (h // R) * stride_bg + h % R, mask=live, other=0.0)
-        return q, k, v, a, b
+        return xq, xk, xv, a, b
 
     @triton.jit
-    def _gdn_recurrent_kernel(Q, K, V, A, B, A_LOG, DT_BIAS, STATE, SLOTS, TOK_OFF, Q_LEN, O, REC,
-                              HV, R, stride_qt, stride_qh, stride_vt, stride_vh, stride_at, stride_ag, stride_bt,
-                              stride_bg, stride_ss, stride_sh, scale, eps, GROUP: tl.constexpr, DK: tl.constexpr,
-                              DV: tl.constexpr, BLOCK_V: tl.constexpr, RECORD: tl.constexpr):
+    def _conv_taps(CW, c, ok):
+        w = CW + c * 4
+        return (tl.load(w + 0, mask=ok, other=0.0).to(tl.float32), tl.load(w + 1, mask=ok, other=0.0).to(tl.float32),
+                tl.load(w + 2, mask=ok, other=0.0).to(tl.float32), tl.load(w + 3, mask=ok, other=0.0).to(tl.float32))
+
+    @triton.jit
+    def _conv_silu(x, h3, h2, h1, w0, w1, w2, w3, WDT: tl.constexpr):
+        """Kernel-4 causal conv of one token (left context h3, h2, h1, oldest first) then SiLU,
+        rounded as the reference's: the conv in the weight dtype, the output in x's dtype; fp32."""
+        y = w0 * h3.to(tl.float32) + w1 * h2.to(tl.float32) + w2 * h1.to(tl.float32) + w3 * x.to(tl.float32)
+        y = y.to(WDT).to(tl.float32)
+        return (y / (1.0 + tl.exp(-y))).to(x.dtype).to(tl.float32)
+
+    @triton.jit
+    def _store_context(CONV, c, ok, h3, h2, h1):
+        tl.store(CONV + c * 3 + 0, h3, mask=ok)
+        tl.store(CONV + c * 3 + 1, h2, mask=ok)
+        tl.store(CONV + c * 3 + 2, h1, mask=ok)
+
+    @triton.jit
+    def _store_window_rows(WIN, C, c, ok, h3, h2, h1):
+        """The old context of channels c as the window's first three rows [3, C] (oldest first)."""
+        dt = WIN.dtype.element_ty
+        tl.store(WIN + c, h3.to(dt), mask=ok)
+        tl.store(WIN + C + c, h2.to(dt), mask=ok)
+        tl.store(WIN + 2 * C + c, h1.to(dt), mask=ok)
+
+    @triton.jit
+    def _gdn_decode_kernel(X, CW, CONV, A, B, A_LOG, DT_BIAS, STATE, SLOTS, TOK_OFF, Q_LEN, O, REC, WIN, COUNT,
+                           HK, HV, R, C, stride_xt, stride_cs, stride_at, stride_ag, stride_bt, stride_bg, stride_ss,
+                           stride_sh, win_rows, scale, eps, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                           BLOCK_V: tl.constexpr, RECORD: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
         slot = tl.load(SLOTS + b).to(tl.int64)
         off = tl.load(TOK_OFF + b).to(tl.int32)  # int64 from the graphs' staging: keep index math 32-bit
         n = tl.load(Q_LEN + b).to(tl.int32)
+        hk = h // GROUP
         ks = tl.arange(0, DK)
         vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = vs < DV
+        # this program's conv channels: its k-head's q and k, its v-head's block of v
+        cq = hk * DK + ks
+        ck = HK * DK + hk * DK + ks
+        cv = 2 * HK * DK + h * DV + vs
+        wq0, wq1, wq2, wq3 = _conv_taps(CW, cq, cq >= 0)
+        wk0, wk1, wk2, wk3 = _conv_taps(CW, ck, ck >= 0)
+        wv0, wv1, wv2, wv3 = _conv_taps(CW, cv, v_ok)
+        conv = CONV + slot * stride_cs
+        q3, q2, q1 = tl.load(conv + cq * 3 + 0), tl.load(conv + cq * 3 + 1), tl.load(conv + cq * 3 + 2)
+        k3, k2, k1 = tl.load(conv + ck * 3 + 0), tl.load(conv + ck * 3 + 1), tl.load(conv + ck * 3 + 2)
+        v3 = tl.load(conv + cv * 3 + 0, mask=v_ok, other=0.0)
+        v2 = tl.load(conv + cv * 3 + 1, mask=v_ok, other=0.0)
+        v1 = tl.load(conv + cv * 3 + 2, mask=v_ok, other=0.0)
+        # the rollback window (old context, then the inputs): q / k rows by the k-head's first
+        # program, v rows by their only program
+        first = (h % GROUP == 0) & (vb == 0)
+        win = WIN + b.to(tl.int64) * win_rows * C
+        if RECORD:
+            _store_window_rows(win, C, cq, first & (cq >= 0), q3, q2, q1)
+            _store_window_rows(win, C, ck, first & (ck >= 0), k3, k2, k1)
+            _store_window_rows(win, C, cv, v_ok, v3, v2, v1)
         a_log = tl.load(A_LOG + h)
         dt_bias = tl.load(DT_BIAS + h)
         # Token t + 1's inputs are loaded while token t computes: the tokens form a dependent chain,
         # so an unprefetched load's latency would be paid once per token.
-        q_n, k_n, v_n, a_n, b_n = _token_inputs(Q, K, V, A, B, off, n > 0, h // GROUP, h, R, ks, vs, v_ok, stride_qt,
-                                                stride_qh, stride_vt, stride_vh, stride_at, stride_ag, stride_bt,
-                                                stride_bg)
+        xq_n, xk_n, xv_n, a_n, b_n = _token_inputs(X, A, B, off, n > 0, cq, ck, cv, v_ok, h, R, stride_xt, stride_at,
+                                                   stride_ag, stride_bt, stride_bg)
         s_ptr = STATE + slot * stride_ss + h * stride_sh + ks[:, None] * DV + vs[None, :]
         S = tl.load(s_ptr, mask=v_ok[None, :], other=0.0).to(tl.float32)
         for t in range(0, n):
             row = off + t
-            q, k, v, a, bt = q_n, k_n, v_n, a_n, b_n
-            q_n, k_n, v_n, a_n, b_n = _token_inputs(Q, K, V, A, B, row + 1, t + 1 < n, h // GROUP, h, R, ks, vs, v_ok,
-                                                    stride_qt, stride_qh, stride_vt, stride_vh, stride_at, stride_ag,
-                                                    stride_bt, stride_bg)
+            xq, xk, xv, a, bt = xq_n, xk_n, xv_n, a_n, b_n
+            xq_n, xk_n, xv_n, a_n, b_n = _token_inputs(X, A, B, row + 1, t + 1 < n, cq, ck, cv, v_ok, h, R, stride_xt,
+                                                       stride_at, stride_ag, stride_bt, stride_bg)
+            q = _conv_silu(xq, q3, q2, q1, wq0, wq1, wq2, wq3, CW.dtype.element_ty)
+            k = _conv_silu(xk, k3, k2, k1, wk0, wk1, wk2, wk3, CW.dtype.element_ty)
+            v = _conv_silu(xv, v3, v2, v1, wv0, wv1, wv2, wv3, CW.dtype.element_ty)
+            if RECORD:
+                tl.store(win + (3 + t) * C + cq, xq.to(WIN.dtype.element_ty), mask=first & (cq >= 0))
+                tl.store(win + (3 + t) * C + ck, xk.to(WIN.dtype.element_ty), mask=first & (ck >= 0))
+                tl.store(win + (3 + t) * C + cv, xv.to(WIN.dtype.element_ty), mask=v_ok)
+            q3, q2, q1 = q2, q1, xq.to(q1.dtype)
+            k3, k2, k1 = k2, k1, xk.to(k1.dtype)
+            v3, v2, v1 = v2, v1, xv.to(v1.dtype)
             g, beta = _gate_values(a, bt, a_log, dt_bias)
-            q = q.to(tl.float32)
-            k = k.to(tl.float32)
             q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * scale
             k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
             S = S * tl.exp(g)
             pred = tl.sum(k[:, None] * S, 0)  # what the state already predicts for k
-            delta = (v.to(tl.float32) - pred) * beta.to(tl.float32)
+            delta = (v - pred) * beta.to(tl.float32)
             S = S + k[:, None] * delta[None, :]
             o = tl.sum(q[:, None] * S, 0)
             tl.store(O + row * (HV * DV) + h * DV + vs, o.to(O.dtype.element_ty), mask=v_ok)
@@ -94,6 +155,12 @@ if triton is not None:
                 r_ptr = REC + row.to(tl.int64) * (HV * DK * DV) + h * (DK * DV) + ks[:, None] * DV + vs[None, :]
                 tl.store(r_ptr, S, mask=v_ok[None, :])
         tl.store(s_ptr, S.to(STATE.dtype.element_ty), mask=v_ok[None, :])
+        # the new conv context: v channels by their only program; q / k channels, which the k-head's
+        # GROUP x (DV / BLOCK_V) programs all read at their start, by the last of them to get here
+        _store_context(conv, cv, v_ok, v3, v2, v1)
+        if last_to_arrive(COUNT, b * HK + hk, GROUP * tl.num_programs(2)):
+            _store_context(conv, cq, cq >= 0, q3, q2, q1)
+            _store_context(conv, ck, ck >= 0, k3, k2, k1)
 
     @triton.jit
     def _gates_kernel(A, B, A_LOG, DT_BIAS, G_OUT, BETA_OUT, HV, R, stride_at, stride_ag, stride_bt, stride_bg,
@@ -106,45 +173,6 @@ if triton is not None:
         g, beta = _gate_values(a, b, tl.load(A_LOG + hs, mask=ok, other=0.0), tl.load(DT_BIAS + hs, mask=ok, other=0.0))
         tl.store(G_OUT + t * HV + hs, g, mask=ok)
         tl.store(BETA_OUT + t * HV + hs, beta.to(BETA_OUT.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _conv_update_kernel(X, W, STATE, SLOTS, TOK_OFF, Q_LEN, OUT, WIN, C, stride_xt, stride_ss, win_rows,
-                            BLOCK_C: tl.constexpr, RECORD: tl.constexpr):
-        """Kernel size 4: out[t] = silu(w0 x[t-3] + w1 x[t-2] + w2 x[t-1] + w3 x[t]) per channel,
-        the left context read from / written back to the request's conv-state slot."""
-        b = tl.program_id(0)
-        cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        ok = cs < C
-        slot = tl.load(SLOTS + b).to(tl.int64)
-        off = tl.load(TOK_OFF + b).to(tl.int32)
-        n = tl.load(Q_LEN + b).to(tl.int32)
-        w0 = tl.load(W + cs * 4 + 0, mask=ok, other=0.0).to(tl.float32)
-        w1 = tl.load(W + cs * 4 + 1, mask=ok, other=0.0).to(tl.float32)
-        w2 = tl.load(W + cs * 4 + 2, mask=ok, other=0.0).to(tl.float32)
-        w3 = tl.load(W + cs * 4 + 3, mask=ok, other=0.0).to(tl.float32)
-        s_ptr = STATE + slot * stride_ss + cs * 3
-        h3 = tl.load(s_ptr + 0, mask=ok, other=0.0)  # oldest first
-        h2 = tl.load(s_ptr + 1, mask=ok, other=0.0)
-        h1 = tl.load(s_ptr + 2, mask=ok, other=0.0)
-        if RECORD:
-            wb = WIN + b.to(tl.int64) * win_rows * C + cs
-            tl.store(wb, h3.to(WIN.dtype.element_ty), mask=ok)
-            tl.store(wb + C, h2.to(WIN.dtype.element_ty), mask=ok)
-            tl.store(wb + 2 * C, h1.to(WIN.dtype.element_ty), mask=ok)
-        for t in range(0, n):
-            row = (off + t).to(tl.int64)
-            x = tl.load(X + row * stride_xt + cs, mask=ok, other=0.0)
-            y = w0 * h3.to(tl.float32) + w1 * h2.to(tl.float32) + w2 * h1.to(tl.float32) + w3 * x.to(tl.float32)
-            y = y.to(W.dtype.element_ty).to(tl.float32)  # the reference convolves in the weight dtype
-            y = y / (1.0 + tl.exp(-y))
-            tl.store(OUT + row * C + cs, y.to(OUT.dtype.element_ty), mask=ok)
-            if RECORD:
-                tl.store(wb + (3 + t) * C, x.to(WIN.dtype.element_ty), mask=ok)
-            h3, h2, h1 = h2, h1, x.to(h1.dtype)
-        tl.store(s_ptr + 0, h3, mask=ok)
-        tl.store(s_ptr + 1, h2, mask=ok)
-        tl.store(s_ptr + 2, h1, mask=ok)
-
 
     @triton.jit
     def _rollback_kernel(CONV, SSM, REC, WIN, SLOTS, ACC, B, n, N, C, win_rows, stride_cl, stride_cs, stride_sl,
@@ -186,7 +214,7 @@ def _check_gate_views(op: str, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch_gdn.gdn_gates`` (its twin) in one launch, for the chunked (prefill) path; decode /
-    verify compute the gates inside ``gdn_recurrent``. a, b: [T, G, R] with v-head h at
+    verify compute the gates inside ``gdn_decode``. a, b: [T, G, R] with v-head h at
     ``[:, h // R, h % R]`` (strided views of the fused ``ba`` projection are fine: no copies).
     Returns g [T, HV] fp32 and beta [T, HV] in b's dtype."""
     R = _check_gate_views("gdn_gates", a, b, A_log, dt_bias)
@@ -199,85 +227,71 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
     return g, beta
 
 
-def conv_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
-                tok_off: torch.Tensor, q_len: torch.Tensor, record_len: int | None = None,
-                window_into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Causal depthwise conv (kernel 4) + SiLU over every request's rows of ``x`` [T, C] (rows may be
-    strided) in one
-    launch: request b owns rows ``tok_off[b] ..`` (``q_len[b]`` of them, device tensors) and its
-    left context is ``conv_state[slots[b]]`` [C, 3], updated in place. With ``record_len`` n
-    (every request has n rows: a verify) also returns the windows [B, 3 + n, C] (old context, then
-    the inputs) that the rollback reads, written into ``window_into[:B]`` when given (the engine's
-    preallocated verify record). Twin: ``torch_gdn.causal_conv1d`` per request."""
+def gdn_decode(
+    x: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, tok_off: torch.Tensor,
+    q_len: torch.Tensor, record_len: int | None = None,
+    record_into: tuple[torch.Tensor, torch.Tensor] | None = None, block_v: int = 16, num_warps: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The GDN mixer of a decode / verify forward in one launch: the causal conv (kernel 4) + SiLU
+    of the packed q | k | v projection rows ``x`` [T, C] (rows may be strided), then the gated delta
+    rule (q, k L2-normalised, q scaled by Dk**-0.5; g, beta from the raw gates in-kernel).
+
+    Request b owns rows ``tok_off[b] .. tok_off[b] + q_len[b] - 1`` (device tensors [B]: nothing is
+    read on the host, so it is graph-capturable) and updates ``conv_state[slots[b]]`` [C, 3] and
+    ``ssm_state[slots[b]]`` [HV, Dk, Dv] (fp32) in place. a, b [T, G, R] and A_log, dt_bias [HV]
+    as ``gdn_gates`` takes them. v-head h reads k-head h // (HV / HK), HK = (C - HV Dv) / (2 Dk).
+
+    With ``record_len`` n (every request has n rows: a verify) it also records what the rollback
+    needs: each request's conv window [3 + n, C] (old context, then the inputs) and the fp32 state
+    after every token [T, HV, Dk, Dv], into ``record_into`` = (states, windows) when given (the
+    engine's preallocated verify record). Returns (o [T, HV, Dv], windows [B, 3 + n, C] or None,
+    states or None).
+
+    A program owns (request, v-head, ``block_v`` value dims) and convolves the channels it reads
+    itself, so the conv costs no launch of its own. Twins: ``torch_gdn.causal_conv1d`` then
+    ``torch_gdn.gated_delta_rule_recurrent`` (``TorchBackend.gated_delta_net``). Defaults from
+    ``benchmarks/tune_gdn.py`` on the H200 (35B shape): 16 value dims x 1 warp."""
     T, C = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()  # rows may be strided (a view into the packed input projection), channels not
-    if weight.shape != (C, 4) or conv_state.shape[1:] != (C, 3) or not conv_state.is_contiguous():
-        raise ValueError(f"conv_update: weight {tuple(weight.shape)} must be [{C}, 4] and conv_state "
+    S, HV, DK, DV = ssm_state.shape
+    HK = (C - HV * DV) // (2 * DK) if DK else 0
+    if DK & (DK - 1) or not ssm_state.is_contiguous() or HK < 1 or 2 * HK * DK + HV * DV != C or HV % HK:
+        raise ValueError(f"gdn_decode: x {tuple(x.shape)} must hold q | k | v for "
+                         f"ssm_state {tuple(ssm_state.shape)}, a contiguous [slots, HV, Dk, Dv] with Dk a power of 2 "
+                         f"and HV a multiple of the k heads")
+    if conv_weight.shape != (C, 4) or conv_state.shape[1:] != (C, 3) or not conv_state.is_contiguous():
+        raise ValueError(f"gdn_decode: conv_weight {tuple(conv_weight.shape)} must be [{C}, 4] and conv_state "
                          f"{tuple(conv_state.shape)} a contiguous [slots, {C}, 3] (kernel size 4 only)")
-    B = slots.shape[0]
-    out = torch.empty(T, C, device=x.device, dtype=x.dtype)
-    win = None
-    if record_len is not None and window_into is not None:
-        if window_into.shape[0] < B or window_into.shape[1:] != (3 + record_len, C):
-            raise ValueError(f"conv_update: window_into {tuple(window_into.shape)} cannot hold {B} windows of "
-                             f"[{3 + record_len}, {C}]")
-        win = window_into[:B]
-    elif record_len is not None:
-        win = torch.empty(B, 3 + record_len, C, device=x.device, dtype=conv_state.dtype)
-    block_c = 256
-    _conv_update_kernel[(B, triton.cdiv(C, block_c))](
-        x, weight.contiguous(), conv_state, slots, tok_off, q_len, out, out if win is None else win,
-        C, x.stride(0), conv_state.stride(0), 3 + (record_len or 0), BLOCK_C=block_c, RECORD=win is not None)
-    return out, win
-
-
-def gdn_recurrent(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
-    dt_bias: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, tok_off: torch.Tensor, q_len: torch.Tensor,
-    record: bool, record_into: torch.Tensor | None = None, block_v: int = 16, num_warps: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q, k [T, HK, Dk] (v-head h reads k-head h // (HV / HK); strided views of the conv output are
-    fine, they share strides); v [T, HV, Dv]; a, b [T, G, R] and A_log, dt_bias [HV] the gate inputs
-    as ``gdn_gates`` takes them (g, beta are computed per token and head in-kernel, same math and
-    rounding); request b owns rows ``tok_off[b] .. tok_off[b] + q_len[b] - 1`` (int32 device tensors
-    [B], so nothing is read on the host: graph-capturable) and updates ``ssm_state[slots[b]]`` in
-    place. Returns o [T, HV, Dv] and, with ``record``, the fp32 state after every token
-    [T, HV, Dk, Dv] (written to ``record_into[:T]`` when given: the engine's preallocated verify
-    states). ``block_v`` (a power of 2) is the value dims per program: smaller means more programs
-    (B * HV * Dv / block_v) over the same state bytes; ``num_warps`` per program. Defaults from
-    ``benchmarks/tune_gdn.py`` on the H200 (35B shape; tuning/tune_gdn_s7.json): 16 x 1 warp, 7.6
-    us for a d = 7 verify (10.8 us at 4 warps), 3.1 us for one token."""
-    T, HK, DK = q.shape
-    HV, DV = v.shape[1:]
-    if DK & (DK - 1) or ssm_state.shape[1:] != (HV, DK, DV) or not ssm_state.is_contiguous() or HV % HK:
-        raise ValueError(f"gdn_recurrent: Dk={DK} must be a power of 2, v heads {HV} a multiple of k heads {HK} and "
-                         f"ssm_state {tuple(ssm_state.shape)} a contiguous [slots, {HV}, {DK}, {DV}]")
-    if k.shape != q.shape or k.stride() != q.stride() or q.stride(2) != 1 or v.stride(2) != 1:
-        raise ValueError(f"gdn_recurrent: q {tuple(q.shape)} and k {tuple(k.shape)} must share shape and strides, "
-                         "with unit stride on the head dim (v too)")
-    R = _check_gate_views("gdn_recurrent", a, b, A_log, dt_bias)
+    R = _check_gate_views("gdn_decode", a, b, A_log, dt_bias)
     if a.shape[0] != T or A_log.shape != (HV,) or block_v < 1 or block_v & (block_v - 1):
-        raise ValueError(f"gdn_recurrent: gates a {tuple(a.shape)} / A_log {tuple(A_log.shape)} must cover {T} "
+        raise ValueError(f"gdn_decode: gates a {tuple(a.shape)} / A_log {tuple(A_log.shape)} must cover {T} "
                          f"tokens x {HV} v heads; block_v={block_v} must be a power of 2")
-    o = torch.empty(T, HV, DV, device=q.device, dtype=q.dtype)
-    if not record:
-        rec = o  # unused
-    elif record_into is not None:
-        if record_into.shape[0] < T or record_into.shape[1:] != (HV, DK, DV) or record_into.dtype != torch.float32:
-            raise ValueError(f"gdn_recurrent: record_into {tuple(record_into.shape)} {record_into.dtype} cannot hold "
-                             f"{T} fp32 states of [{HV}, {DK}, {DV}]")
-        rec = record_into[:T]
-    else:
-        rec = torch.empty(T, HV, DK, DV, device=q.device, dtype=torch.float32)
+    B = slots.shape[0]
+    o = torch.empty(T, HV, DV, device=x.device, dtype=x.dtype)
+    win = states = None
+    if record_len is not None:
+        states, win = record_into if record_into is not None else (
+            torch.empty(T, HV, DK, DV, device=x.device, dtype=torch.float32),
+            torch.empty(B, 3 + record_len, C, device=x.device, dtype=conv_state.dtype))
+        if states.shape[0] < T or states.shape[1:] != (HV, DK, DV) or states.dtype != torch.float32:
+            raise ValueError(f"gdn_decode: record states {tuple(states.shape)} {states.dtype} cannot hold {T} fp32 "
+                             f"states of [{HV}, {DK}, {DV}]")
+        if win.shape[0] < B or win.shape[1:] != (3 + record_len, C):
+            raise ValueError(f"gdn_decode: record windows {tuple(win.shape)} cannot hold {B} windows of "
+                             f"[{3 + record_len}, {C}]")
+        states, win = states[:T], win[:B]
     block_v = min(block_v, triton.next_power_of_2(DV))
-    _gdn_recurrent_kernel[(slots.shape[0], HV, triton.cdiv(DV, block_v))](
-        q, k, v, a, b, A_log, dt_bias, ssm_state, slots, tok_off, q_len, o, rec,
-        HV, R, q.stride(0), q.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        ssm_state.stride(0), ssm_state.stride(1), DK**-0.5, L2NORM_EPS,
-        GROUP=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, RECORD=record, num_warps=num_warps,
-    )
-    return o, rec if record else None
+    if B:
+        _gdn_decode_kernel[(B, HV, triton.cdiv(DV, block_v))](
+            x, conv_weight.contiguous(), conv_state, a, b, A_log, dt_bias, ssm_state, slots, tok_off, q_len, o,
+            o if states is None else states, o if win is None else win, arrival_counters(x.device, B * HK),
+            HK, HV, R, C, x.stride(0), conv_state.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            ssm_state.stride(0), ssm_state.stride(1), 3 + (record_len or 0), DK**-0.5, L2NORM_EPS,
+            GROUP=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, RECORD=record_len is not None, num_warps=num_warps,
+        )
+    return o, win, states
 
 
 def fla_available(device: torch.device) -> bool:

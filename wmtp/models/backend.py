@@ -399,8 +399,7 @@ class TritonBackend(TorchBackend):
 
     def gated_delta_net(self, mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, ssm_state, ctx, layer_idx,
                         dims, record_into=None):
-        from wmtp.kernels.gdn import (MAX_RECURRENT_TOKENS, conv_update, fla_available, gdn_chunked_fla, gdn_gates,
-                                      gdn_recurrent)
+        from wmtp.kernels.gdn import MAX_RECURRENT_TOKENS, fla_available, gdn_chunked_fla, gdn_decode, gdn_gates
         from wmtp.kernels.torch_gdn import causal_conv1d
 
         gates = (a, b, A_log, dt_bias)
@@ -417,25 +416,16 @@ class TritonBackend(TorchBackend):
                 conv_out[lo : lo + n], new = causal_conv1d(mixed_qkv[lo : lo + n], conv_weight, conv_state[slot][0])
                 conv_state[slot] = new[None].to(conv_state.dtype)
             return gdn_chunked_fla(conv_out, *gdn_gates(*gates), ssm_state, ctx, dims)
-        hk, hv, dk, dv, kernel = dims
-        if kernel != 4 or not conv_state.is_contiguous():  # the fused conv is written for Qwen's kernel size 4
+        if dims[-1] != 4 or not conv_state.is_contiguous():  # the fused conv is written for Qwen's kernel size 4
             return super().gated_delta_net(mixed_qkv, *gates, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims,
                                            record_into)
         B, n = len(ctx.q_lens), ctx.q_lens[0]
         if ctx.record_states and any(m != n for m in ctx.q_lens):
             raise ValueError("record_states needs every request to have the same q_len (verify)")
-        slots = ctx.state_slots
         _, q_len, tok_off = ctx.device_lens
-        # one launch each for the conv (all requests, state slots updated in place) and the delta rule
-        # (gates computed in-kernel); q / k stay k-head views of the conv output (no repeat to the v
-        # heads, no copies)
-        rec_states, rec_windows = record_into if record_into is not None else (None, None)
-        conv_out, window = conv_update(mixed_qkv, conv_weight, conv_state, slots, tok_off, q_len,
-                                       n if ctx.record_states else None, rec_windows)
-        q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
-        T = conv_out.shape[0]
-        o, states = gdn_recurrent(q.view(T, hk, dk), k.view(T, hk, dk), v.view(T, hv, dv), *gates, ssm_state, slots,
-                                  tok_off, q_len, ctx.record_states, rec_states)
+        # one launch: the conv (state slots updated in place) and the delta rule (gates in-kernel)
+        o, window, states = gdn_decode(mixed_qkv, conv_weight, conv_state, *gates, ssm_state, ctx.state_slots,
+                                       tok_off, q_len, n if ctx.record_states else None, record_into)
         if ctx.record_states:
             ctx.recorded[layer_idx] = (window, states.view(B, n, *states.shape[1:]))
         return o
