@@ -2,7 +2,8 @@
 
 For each projection shape and token count it times, from CUDA graphs with cold weights (each graph
 runs the projection on ``--copies`` weight copies in turn, more bytes than L2 holds), ``F.linear``,
-the kernel at ``linear_tiles`` (where it chooses the kernel) and, unless ``--no-sweep``, every configuration of a small grid.
+``decode_linear`` (what the engine runs: the kernel at ``linear_tiles``, or cuBLAS where that is None) and,
+unless ``--no-sweep``, every configuration of a per-shape grid.
 Prints each case's times and weight-read bandwidth.
 
     python benchmarks/tune_linear.py --out tune_linear.json
@@ -37,7 +38,7 @@ def main() -> None:
     a = ap.parse_args()
     import triton.testing
 
-    from wmtp.kernels.linear import LinearTiles, linear_tiles, skinny_linear
+    from wmtp.kernels.linear import LinearTiles, decode_linear, linear_tiles, skinny_linear
 
     dt, rows = torch.bfloat16, []
     shapes = [s for s in SHAPES if not a.shapes or s[0] in a.shapes.split(",")]
@@ -55,7 +56,7 @@ def main() -> None:
 
         cublas = bench(lambda w: F.linear(x, w))
         chosen = linear_tiles(T, N, K)
-        chosen_ms = bench(lambda w: skinny_linear(x, w, tiles=chosen))
+        chosen_ms = bench(lambda w: decode_linear(x, w))  # what the engine runs: the kernel, or cuBLAS where None
         err = (skinny_linear(x, ws[0]).float() - F.linear(x, ws[0]).float()).abs().max().item()
         results = []
         for cfg in [] if a.no_sweep else grid:
@@ -66,7 +67,7 @@ def main() -> None:
                 results.append({**tiles._asdict(), "error": type(e).__name__})
         best = min((r for r in results if "ms" in r), key=lambda r: r["ms"], default={"ms": chosen_ms})
         tb = N * K * 2 / 1e9  # TB/s = weight bytes / 1e12 / (ms / 1e3)
-        print(f"{name:28s} T={T}: cuBLAS {cublas * 1e3:6.1f} us ({tb / cublas:.2f} TB/s) | chosen "
+        print(f"{name:28s} T={T}: cuBLAS {cublas * 1e3:6.1f} us ({tb / cublas:.2f} TB/s) | engine "
               f"{chosen} {chosen_ms * 1e3:6.1f} us ({tb / chosen_ms:.2f}) | best {best['ms'] * 1e3:6.1f} us "
               f"({tb / best['ms']:.2f}) {best} | max err {err:.3g}", flush=True)
         rows.append({"case": name, "N": N, "K": K, "tokens": T, "copies": copies, "cublas_ms": cublas,

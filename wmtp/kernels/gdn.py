@@ -255,7 +255,7 @@ def gdn_decode(
     T, C = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()  # rows may be strided (a view into the packed input projection), channels not
-    S, HV, DK, DV = ssm_state.shape
+    HV, DK, DV = ssm_state.shape[1:]
     HK = (C - HV * DV) // (2 * DK) if DK else 0
     if DK & (DK - 1) or not ssm_state.is_contiguous() or HK < 1 or 2 * HK * DK + HV * DV != C or HV % HK:
         raise ValueError(f"gdn_decode: x {tuple(x.shape)} must hold q | k | v for "

@@ -109,12 +109,6 @@ def linear_tiles(rows: int, n: int, k: int) -> LinearTiles | None:
     return LinearTiles(32, 256, 4 if k >= 4096 else 1, 4)
 
 
-def split_k(K: int, splits: int, block_k: int) -> tuple[int, int]:
-    """K per split (a multiple of ``block_k``) and the number of splits that covers K with it."""
-    k_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
-    return k_split, triton.cdiv(K, k_split)
-
-
 def dot_flags(dtype: torch.dtype) -> dict[str, object]:
     """``split_dot``'s WIDEN / PREC for operands of ``dtype``: ieee fp32 products for fp32 (tf32
     would round them); 16-bit operands widened under the CPU interpreter (its bf16 dot is wrong)."""
@@ -142,7 +136,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if T and N:
         x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
         cfg = tiles or linear_tiles(T, N, K) or LinearTiles(16, 128, 1, 4)
-        k_split, splits = split_k(K, cfg.splits, cfg.block_k)
+        k_split = triton.cdiv(triton.cdiv(K, cfg.splits), cfg.block_k) * cfg.block_k  # a multiple of the K step
+        splits = triton.cdiv(K, k_split)
         blocks = triton.cdiv(N, cfg.block_n)
         part = torch.empty(splits, T, N, device=x.device, dtype=torch.float32) if splits > 1 else out
         _skinny_linear_kernel[(blocks, splits)](

@@ -310,8 +310,8 @@ def shared_expert_reference(x: torch.Tensor, shared: SharedExpert) -> torch.Tens
 def moe_gemv(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
              norm_topk_prob: bool, shared: SharedExpert | None = None) -> torch.Tensor:
     """Same contract as ``Backend.moe`` (softmax router, top-k SwiGLU experts, optional shared
-    expert) at decode sizes: the router GEMM (``decode_linear``)
-    and three launches (route + shared gate, routed and shared SwiGLU, down projections + combine)."""
+    expert) at decode sizes: the router GEMM (``decode_linear``) and three launches (route + shared
+    gate, routed and shared SwiGLU, down projections + combine)."""
     r = route_topk(decode_linear(x, router_weight), top_k, norm_topk_prob, x, None if shared is None else shared.gate)
     inter = down.shape[-1]
     gate, up, idx = gate_up[:, :inter], gate_up[:, inter:], r.experts.view(-1)
