@@ -15,7 +15,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from wmtp.engine.window import DraftWindow  # noqa: E402
-from wmtp.kernels.paged_attention import AttentionMeta, paged_attention, store_kv  # noqa: E402
+from wmtp.kernels.paged_attention import PREFILL_MIN_Q, AttentionMeta, paged_attention, store_kv  # noqa: E402
 from wmtp.models.backend import TorchBackend  # noqa: E402
 from wmtp.models.context import ForwardContext, PagedSlots, RingSlots  # noqa: E402
 
@@ -81,11 +81,13 @@ def test_decode_and_verify_paged(heads, kv_heads, splits):
     _compare(case, splits)
 
 
+@pytest.mark.parametrize("q_lens", [[1, 5], [PREFILL_MIN_Q + 6, 3]])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_output_gate_in_the_attention_launch(splits):
+def test_output_gate_in_the_attention_launch(splits, q_lens):
     """Qwen3-Next's ``o * sigmoid(gate)`` applied where the output is written (the merge, or the
-    single-split store), the gate a strided per-head view of the query projection."""
-    case = _case(2, 4, 2, 16, q_lens=[1, 5], starts=[40, 7], windows=[None] * 2, ring=False)
+    single-split store), the gate a strided per-head view of the query projection; past
+    PREFILL_MIN_Q queries (prefill chunks) after the kernel, rounded the same."""
+    case = _case(2, 4, 2, 16, q_lens=q_lens, starts=[40, 7], windows=[None] * 2, ring=False)
     T = case[0].shape[0]
     qg = torch.randn(T, 4, 32, generator=torch.Generator().manual_seed(9))  # per head [query | gate]
     gate = qg.chunk(2, dim=-1)[1]
@@ -95,6 +97,14 @@ def test_output_gate_in_the_attention_launch(splits):
     with pytest.raises(ValueError, match="paged_attention: gate"):
         paged_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), AttentionMeta.from_context(ctx, q.device),
                         1.0, gate=gate[:, :2].to(DEVICE))
+
+
+def test_prefill_chunk_fp32_head_dim_256():
+    """A prefill-sized launch (more than PREFILL_MIN_Q queries of a request) at head_dim 256 in
+    fp32 keeps the decode tile (the bf16 prefill tile's fp32 K / V blocks overflow shared memory on
+    the H200); batched with a short request. bf16: test_bf16_real_head_dims_gpu."""
+    case = _case(4, 16, 2, 256, q_lens=[PREFILL_MIN_Q + 6, 2], starts=[30, 9], windows=[None] * 2, ring=False)
+    _compare(case, atol=1e-4)
 
 
 @pytest.mark.parametrize("block_n,num_warps,num_stages", [(16, 4, 1), (32, 8, 3)])
@@ -177,9 +187,13 @@ def test_meta_rejects_two_windows():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dim", [128, 256])
 def test_bf16_real_head_dims_gpu(dim):
-    """The 35B shape: 16 q heads, 2 KV heads, head_dim 256 (and 128), bf16 in, fp32 accumulate."""
+    """The 35B shape: 16 q heads, 2 KV heads, head_dim 256 (and 128), bf16 in, fp32 accumulate:
+    verify / decode, a prefill chunk (the [128, 256] prefill tile at head_dim 256), the draft ring."""
     case = _case(4, 16, 2, dim, q_lens=[7, 1], starts=[5000, 300], windows=[None, None], ring=False, page=16,
                  dtype=torch.bfloat16)
+    _compare(case, atol=2e-2)
+    case = _case(6, 16, 2, dim, q_lens=[PREFILL_MIN_Q + 70, 2], starts=[700, 9], windows=[None, None], ring=False,
+                 page=16, dtype=torch.bfloat16)
     _compare(case, atol=2e-2)
     case = _case(5, 16, 2, dim, q_lens=[1, 7], starts=[9000, 4200], windows=[DraftWindow(64, 4032)] * 2, ring=True,
                  d=7, dtype=torch.bfloat16)

@@ -280,6 +280,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+# Launches with more than this many queries per request are prefill chunks: compute-bound, they take
+# FlashAttention-style tiles, and the output gate after the kernel (its load in the unsplit epilogue
+# slowed the prefill main loop by 10% on the H200: 4.05 vs 3.67 s of attention in a 131,072-token
+# prefill, tuning/ttft_bisect_s10); decode / verify keep it fused.
+PREFILL_MIN_Q = 64
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -290,7 +297,7 @@ def paged_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    max_rows: int = 64,
+    max_rows: int | None = None,
     gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over the cached keys (already written). Returns [T, H, D], times
@@ -307,10 +314,17 @@ def paged_attention(
     n_kv = k_cache.shape[1]
     if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
         raise ValueError(f"paged_attention: gate {tuple(gate.shape)} must match q {tuple(q.shape)} with unit stride on D")
+    prefill = meta.max_q_len > PREFILL_MIN_Q
+    # 16-bit K / V only: fp32 tiles of this size overflow shared memory
+    prefill_tile = prefill and D >= 256 and k_cache.element_size() == 2
+    if gate is not None and prefill:
+        return paged_attention(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, num_stages,
+                               max_rows) * torch.sigmoid(gate)
     if H % n_kv or D & (D - 1) or D < 16:
         raise ValueError(f"paged_attention: heads {H} must be a multiple of kv heads {n_kv}; head_dim {D} a power of 2 >= 16")
     group = H // n_kv
     group_p = triton.next_power_of_2(group)
+    max_rows = max_rows or (128 if prefill_tile else 64)
     block_q = max(1, min(triton.next_power_of_2(meta.max_q_len), max(1, max_rows // group_p)))
     if block_q * group_p < 16:  # tl.dot needs >= 16 rows: pad the query block
         block_q = 16 // group_p
@@ -318,7 +332,11 @@ def paged_attention(
     B = meta.q_len.shape[0]
     programs = B * num_q_blocks * n_kv
     big_tile = D >= 256 and block_q * group_p >= 64
-    if big_tile and block_n is None:
+    if big_tile and block_n is None and prefill_tile:
+        # [128, 256] query rows over 64-key tiles, 8 warps: 21.1 against 24.2 ms for the [64, 256]
+        # decode tile (8192 queries over 73,728 keys on the H200; tuning/tune_attention_prefill_s10.json)
+        block_n, num_warps, num_stages = 64, num_warps or 8, num_stages or 2
+    elif big_tile and block_n is None:
         # a [64, 256] fp32 accumulator: 4 warps over 32-key tiles, 2 stages measured best on the
         # H200 (0.78 vs 1.02 ms for 7 verify queries over 1.04M keys; tune_attention / attention_insitu)
         block_n, num_warps, num_stages = 32, num_warps or 4, num_stages or 2
