@@ -8,8 +8,10 @@ BLOCK_K, num_warps, num_stages) of a per-kernel grid:
 - ``down_combine_shared``: ``down_combine`` of the top-8 experts' down projections (the experts
   loaded as one [top_k, BLOCK_N, BLOCK_K] tile per K step) plus the shared expert's, gated.
 
-Prints each case's best next to its default and the weight-read bandwidth (bytes of the distinct
-experts hit plus the shared expert's).
+Weights are cold as in a decode iteration, where every layer reads its own experts: each timed
+graph runs the launch over ``--layers`` sets of weights in turn (the same routing) and the time is
+per launch. Prints each case's best next to its default and the weight-read bandwidth (bytes of the
+distinct experts hit plus the shared expert's).
 
     python benchmarks/tune_moe.py --out tune_moe.json
 """
@@ -40,24 +42,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--inter", type=int, default=512, help="routed experts' intermediate size")
     ap.add_argument("--shared-inter", type=int, default=512, help="shared expert's intermediate size")
     ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=4, help="weight sets cycled through per timing (cold weights)")
+    ap.add_argument("--cases", default=",".join(GRIDS), help="comma-separated cases of GRIDS to sweep")
     ap.add_argument("--out", required=True, help="JSON file for every configuration's timing")
     return ap.parse_args(argv)
 
 
-def sweep(name: str, fn: Callable[..., torch.Tensor], nbytes: int, T: int) -> dict:
-    """Times ``fn(**cfg)`` for every configuration of ``GRIDS[name]`` and ``fn()`` (the defaults)."""
+def sweep(name: str, fn: Callable[..., torch.Tensor], layers: int, nbytes: int, T: int) -> dict:
+    """Times ``fn(layer, **cfg)`` per launch, over every layer's weights in one graph, for every
+    configuration of ``GRIDS[name]`` and for the defaults."""
     import triton.testing
+
+    def per_launch(**cfg) -> float:
+        def run():
+            for layer in range(layers):
+                fn(layer, **cfg)
+        run()
+        return triton.testing.do_bench_cudagraph(run) / layers
 
     results = []
     for bn, bk, nw, ns in GRIDS[name]:
         cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
         try:
-            fn(**cfg)
-            results.append({**cfg, "ms": triton.testing.do_bench_cudagraph(lambda: fn(**cfg))})
+            results.append({**cfg, "ms": per_launch(**cfg)})
         except Exception as e:  # resources exceeded for this tile: not a candidate
             results.append({**cfg, "error": type(e).__name__})
-    fn()
-    default = triton.testing.do_bench_cudagraph(fn)
+    default = per_launch()
     best = min((r for r in results if "ms" in r), key=lambda r: r["ms"])
     print(f"{name} T={T}: default {default * 1e3:.1f} us ({nbytes / default / 1e9:.2f} TB/s) | best "
           f"{best['ms'] * 1e3:.1f} us ({nbytes / best['ms'] / 1e9:.2f} TB/s) at {best}", flush=True)
@@ -69,23 +79,39 @@ def main() -> None:
     from wmtp.kernels.moe import down_combine, route_topk, swiglu_gemv_with_shared
 
     dev, dt, E, H, I, Is, k = "cuda", torch.bfloat16, a.experts, a.hidden, a.inter, a.shared_inter, a.top_k
-    gate_up = torch.randn(E, 2 * I, H, device=dev, dtype=dt) * H**-0.5
-    down = torch.randn(E, H, I, device=dev, dtype=dt) * I**-0.5
-    sg, su = (torch.randn(Is, H, device=dev, dtype=dt) * H**-0.5 for _ in range(2))
-    sdown = torch.randn(H, Is, device=dev, dtype=dt) * Is**-0.5
+    cases = set(a.cases.split(","))
+    if cases - set(GRIDS):
+        raise SystemExit(f"tune_moe: unknown --cases {sorted(cases - set(GRIDS))}; known: {list(GRIDS)}")
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=dev, dtype=dt) * shape[-1] ** -0.5
+
+    # per layer: routed gate/up [E, 2I, H], down [E, H, I]; shared gate, up [Is, H], down [H, Is]
+    weights = [(randn(E, 2 * I, H), randn(E, H, I), randn(Is, H), randn(Is, H), randn(H, Is)) for _ in range(a.layers)]
     rows = []
     for T in map(int, a.tokens.split(",")):
         x = torch.randn(T, H, device=dev, dtype=dt)
         w, i, _ = route_topk(torch.randn(T, E, device=dev), k, True)
-        h, hs = swiglu_gemv_with_shared(x, gate_up[:, :I], gate_up[:, I:], i.view(-1), k, sg, su)
-        shared = (hs, sdown, torch.randn(T, device=dev))
+        idx = i.view(-1)
+
+        def swiglu(layer: int, **c) -> tuple[torch.Tensor, torch.Tensor]:
+            gate_up, _, sg, su, _ = weights[layer]
+            return swiglu_gemv_with_shared(x, gate_up[:, :I], gate_up[:, I:], idx, k, sg, su, **c)
+
+        hs = [swiglu(layer) for layer in range(a.layers)]
+        gate_s = torch.randn(T, device=dev)
+
+        def combine(layer: int, **c) -> torch.Tensor:
+            h, h_shared = hs[layer]
+            return down_combine(h, weights[layer][1], i, w, k, shared=(h_shared, weights[layer][4], gate_s), **c)
+
         distinct = int(torch.unique(i).numel())
-        rows.append(sweep("swiglu_routed_shared", lambda **c: swiglu_gemv_with_shared(
-            x, gate_up[:, :I], gate_up[:, I:], i.view(-1), k, sg, su, **c), (distinct * I + Is) * 2 * H * 2, T))
-        rows.append(sweep("down_combine_shared", lambda **c: down_combine(h, down, i, w, k, shared=shared, **c),
-                          (distinct * I + Is) * H * 2, T))
+        if "swiglu_routed_shared" in cases:
+            rows.append(sweep("swiglu_routed_shared", swiglu, a.layers, (distinct * I + Is) * 2 * H * 2, T))
+        if "down_combine_shared" in cases:
+            rows.append(sweep("down_combine_shared", combine, a.layers, (distinct * I + Is) * H * 2, T))
     with open(a.out, "w") as f:
-        json.dump({"kind": "moe_tuning", "hardware": torch.cuda.get_device_name(),
+        json.dump({"kind": "moe_tuning", "hardware": torch.cuda.get_device_name(), "layers": a.layers,
                    "command": "python benchmarks/tune_moe.py " + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
 
 
