@@ -68,6 +68,36 @@ def hardware_name(device: torch.device | str) -> str:
     return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+GPU_STATE_FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "power.limit", "temperature.gpu")
+# the throttle-reason bit mask's name since driver 535, then before it
+GPU_REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+
+
+def gpu_state(device: torch.device | str) -> dict[str, str] | None:
+    """The GPU's SM / memory clocks (MHz), power draw and limit (W), temperature (C) and active
+    clock-event (throttle) reasons from ``nvidia-smi``, read now; None off CUDA or without it. Leases
+    of the same GPU model differ in T_iter by a few percent: this says whether clocks differed."""
+    import shutil
+    import subprocess
+
+    device = torch.device(device)
+    if device.type != "cuda" or shutil.which("nvidia-smi") is None:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    for reason in GPU_REASON_FIELDS:
+        fields = (*GPU_STATE_FIELDS, reason)
+        try:
+            out = subprocess.run(["nvidia-smi", f"--id={index}", f"--query-gpu={','.join(fields)}",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10,
+                                 check=True)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        values = [v.strip() for v in out.stdout.strip().split(",")]
+        if len(values) == len(fields):
+            return dict(zip(fields, values))
+    return None
+
+
 def time_mode(model, mode: str, a: argparse.Namespace, bandwidth: float) -> dict:
     from wmtp.bench.floor import ExpertCounter, step_bytes
     from wmtp.bench.synthetic import add_synthetic_request, force_acceptance, randomize_pools
@@ -88,6 +118,7 @@ def time_mode(model, mode: str, a: argparse.Namespace, bandwidth: float) -> dict
     synced = [_sync_time(eng.step) for _ in range(a.warmup + a.iters)][a.warmup:]
     eng.overlap = True
     overlapped = _overlapped_intervals(eng, a.warmup, a.iters)
+    state = gpu_state(eng.device)  # right after the timed iterations, still under load's clocks
     elt = torch.empty(0, dtype=eng.dtype).element_size()
     sb = step_bytes(model, spec, a.context, counter.mean_distinct(), elt)
     floor = sb.total / bandwidth
@@ -102,7 +133,7 @@ def time_mode(model, mode: str, a: argparse.Namespace, bandwidth: float) -> dict
               f"n={len(times)}) | floor {floor * 1e3:.2f} ms ({sb.total / 2**30:.2f} GiB) | /floor {med / floor:.2f}",
               flush=True)
     row.update({"iterations": len(overlapped), "floor_s": floor, "floor_bytes": sb.total, "bytes": sb.to_dict(),
-                "pool_bytes": pools})
+                "pool_bytes": pools, "gpu_state_after": state})
     return row
 
 
@@ -216,6 +247,7 @@ def run_step(a: argparse.Namespace) -> int:
 
     device = torch.device("cuda")
     bw = measure_bandwidth(device)
+    bw["gpu_state_after"] = gpu_state(device)
     print(f"copy bandwidth {bw['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write)", flush=True)
     model = wmtp.load_model(a.preset, device="cuda", dtype="bfloat16", backend=a.backend)
     modes = [m for m in a.modes.split(",") if m]
