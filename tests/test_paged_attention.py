@@ -107,6 +107,16 @@ def test_prefill_chunk_fp32_head_dim_256():
     _compare(case, atol=1e-4)
 
 
+@pytest.mark.parametrize("page", [16, 64])
+def test_prefill_tile_fp32(page):
+    """The bf16 prefill tile's launch ([128, 256] rows over 64-key blocks, 8 warps) forced in fp32
+    (no shared-memory limit under the interpreter), over pages of 64 keys (one page a key block:
+    the engine's layout) and 16; the arithmetic is the bf16 launch's."""
+    case = _case(7, 16, 2, 256, q_lens=[PREFILL_MIN_Q + 6, 2], starts=[100, 9], windows=[None] * 2, ring=False,
+                 page=page)
+    _compare(case, atol=1e-4, max_rows=128, block_n=64, num_warps=8, num_stages=2)
+
+
 @pytest.mark.parametrize("block_n,num_warps,num_stages", [(16, 4, 1), (32, 8, 3)])
 def test_launch_overrides_keep_the_result(block_n, num_warps, num_stages):
     """The tuning knobs change tiling only: the split boundaries follow BLOCK_N, the numbers do not."""
@@ -192,9 +202,10 @@ def test_bf16_real_head_dims_gpu(dim):
     case = _case(4, 16, 2, dim, q_lens=[7, 1], starts=[5000, 300], windows=[None, None], ring=False, page=16,
                  dtype=torch.bfloat16)
     _compare(case, atol=2e-2)
-    case = _case(6, 16, 2, dim, q_lens=[PREFILL_MIN_Q + 70, 2], starts=[700, 9], windows=[None, None], ring=False,
-                 page=16, dtype=torch.bfloat16)
-    _compare(case, atol=2e-2)
+    for page in (16, 64):
+        case = _case(6, 16, 2, dim, q_lens=[PREFILL_MIN_Q + 70, 2], starts=[700, 9], windows=[None, None],
+                     ring=False, page=page, dtype=torch.bfloat16)
+        _compare(case, atol=2e-2)
     case = _case(5, 16, 2, dim, q_lens=[1, 7], starts=[9000, 4200], windows=[DraftWindow(64, 4032)] * 2, ring=True,
                  d=7, dtype=torch.bfloat16)
     _compare(case, atol=2e-2)
