@@ -17,7 +17,7 @@ export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 parts=${PARTS:-tests,identity,step,ttft,batch}
 run() { echo "== $1"; shift; "$@" 2>&1 | tee -a "$OUT/log.txt"; }
 [[ $parts == *tests* ]] && run tests python3 -m pytest -q -x tests/test_decode_graphs.py tests/test_paged_attention.py \
-  tests/test_gdn_kernel.py tests/test_moe_kernel.py tests/test_norm_kernel.py tests/test_linear_kernel.py tests/test_argmax_kernel.py
+  tests/test_gdn_kernel.py tests/test_moe_kernel.py tests/test_norm_kernel.py tests/test_linear_kernel.py tests/test_argmax_kernel.py tests/test_stream_kernel.py
 [[ $parts == *identity* ]] && run identity python3 benchmarks/gpu_identity.py --prompts 8 --max-tokens 32 --out "$OUT/gpu_identity.json"
 [[ $parts == *step* ]] && run step python3 -m wmtp bench step --context 1040000 -d 7 --iters 60 --kernels --admission \
   ${STEP_ARGS:-} --out "$OUT/step_1m.json"

@@ -69,7 +69,7 @@ class Cell:
 @dataclass
 class Bench:
     """What every measurement shares: the model (built once per process), the device, the options
-    and the copy bandwidth (CUDA only) that bytes floors are divided by."""
+    and the HBM read bandwidth (CUDA only) that bytes floors are divided by."""
 
     model: CausalLM
     device: torch.device

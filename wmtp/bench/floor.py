@@ -1,7 +1,7 @@
 """The bytes floor of one speculative iteration (DESIGN §6) and the bandwidth it is divided by.
 
-Floor = bytes every kernel must read at least / HBM bandwidth measured on the same GPU in the same
-run. Counted per iteration (γ = d − 1):
+Floor = bytes every kernel must read at least / HBM read bandwidth measured on the same GPU in the
+same run (a streaming read; ``measure_bandwidth``). Counted per iteration (γ = d − 1):
 - verify (one target forward of d tokens): every dense target weight, the experts the d tokens
   actually route to (distinct, per layer, measured), the lm_head once, the target KV of S tokens,
   the recurrent states;
@@ -84,23 +84,43 @@ def step_bytes(model: CausalLM, spec: SpecConfig, context: int, distinct: dict[i
     )
 
 
-def measure_bandwidth(device: torch.device, gib: float = 4.0, reps: int = 20) -> dict[str, float]:
-    """Device-to-device copy of ``gib`` GiB: bytes read + written per second (median of ``reps``)."""
-    n = int(gib * 2**30)
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
+# (block, num_warps, programs per SM) of the streaming read; the fastest gives the read bandwidth
+READ_CONFIGS = ((4096, 4, 2), (8192, 8, 4), (16384, 8, 2))
+
+
+def _median_seconds(fn, reps: int) -> float:
+    """Median GPU time of ``fn()`` over ``reps`` runs after 3 warm-ups (CUDA events)."""
     times = []
     for _ in range(reps + 3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        dst.copy_(src)
+        fn()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    t = sorted(times[3:])[len(times[3:]) // 2]
-    del src, dst
+    times = sorted(times[3:])
+    return times[len(times) // 2]
+
+
+def measure_bandwidth(device: torch.device, gib: float = 4.0, reps: int = 20) -> dict:
+    """HBM bandwidth of ``gib`` GiB on ``device``: ``read_bytes_per_s``, the floor's denominator
+    (DESIGN §6: read bandwidth), is the fastest streaming read (``stream_xor``) of ``READ_CONFIGS``;
+    ``copy_bytes_per_s`` (a device-to-device copy, bytes read + written) is kept beside it (the
+    floors of sessions 3-10 divided by it)."""
+    from wmtp.kernels.stream import stream_xor
+
+    n = int(gib * 2**30) // 4 * 4
+    src = torch.zeros(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_s = _median_seconds(lambda: dst.copy_(src), reps)
+    del dst
+    words, sms = src.view(torch.int32), torch.cuda.get_device_properties(device).multi_processor_count
+    reads = {f"block {b}, {w} warps, {p}/SM": n / _median_seconds(lambda: stream_xor(words, p * sms, b, w), reps)
+             for b, w, p in READ_CONFIGS}
+    del src, words
     torch.cuda.empty_cache()
-    return {"copy_bytes_per_s": 2 * n / t, "copy_gib": gib}
+    return {"read_bytes_per_s": max(reads.values()), "read_by_config": reads, "copy_bytes_per_s": 2 * n / copy_s,
+            "gib": gib}
 
 
 class ExpertCounter:

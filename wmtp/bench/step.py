@@ -4,7 +4,7 @@
 random-weight model gives T_iter at any S and AL. Per mode: T_iter (median of N iterations, p10,
 p90) as the engine runs by default, one iteration in flight (``t_iter``: the interval between
 consecutive iterations' results), and with every step GPU-synchronised before and after
-(``t_iter_sync``); the bytes floor over the copy bandwidth measured in the same run, T / floor, and
+(``t_iter_sync``); the bytes floor over the HBM read bandwidth measured in the same run, T / floor, and
 native / windowed; a kernel micro-benchmark (the paged decode kernel vs SDPA on contiguous KV of
 the same key count; the draft attention per forward, windowed vs native); and admission: how many
 requests of S tokens each mode's pools really admit, then one step with all of them.
@@ -248,10 +248,11 @@ def run_step(a: argparse.Namespace) -> int:
     device = torch.device("cuda")
     bw = measure_bandwidth(device)
     bw["gpu_state_after"] = gpu_state(device)
-    print(f"copy bandwidth {bw['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write)", flush=True)
+    print(f"read bandwidth {bw['read_bytes_per_s'] / 1e12:.2f} TB/s (the floor's; a copy runs "
+          f"{bw['copy_bytes_per_s'] / 1e12:.2f} TB/s read + write)", flush=True)
     model = wmtp.load_model(a.preset, device="cuda", dtype="bfloat16", backend=a.backend)
     modes = [m for m in a.modes.split(",") if m]
-    rows = [time_mode(model, m, a, bw["copy_bytes_per_s"]) for m in modes]
+    rows = [time_mode(model, m, a, bw["read_bytes_per_s"]) for m in modes]
     by = {r["mode"]: r for r in rows}
     summary = {}
     if "native" in by and "windowed" in by:

@@ -278,7 +278,7 @@ def _meta(a: argparse.Namespace, bench: Bench, sweep: Sweep) -> dict:
     meta.pop("date")  # write_results stamps it (ISO 8601, UTC)
     if bench.bandwidth:
         meta["bandwidth_gbs"] = bench.bandwidth / 1e9
-        meta["bandwidth_note"] = "device-to-device copy, bytes read + written per second"
+        meta["bandwidth_note"] = "HBM read bandwidth (streaming read), bytes per second"
     if sweep.name == "depth" and a.fit_d:
         meta["fit_d"] = list(a.fit_d)
     return meta
@@ -296,11 +296,11 @@ def make_bench(a: argparse.Namespace) -> Bench:
     from wmtp.bench.floor import measure_bandwidth
 
     device = torch.device(a.device)
-    bw = measure_bandwidth(device)["copy_bytes_per_s"] if device.type == "cuda" and a.floor else None
+    bw = measure_bandwidth(device)["read_bytes_per_s"] if device.type == "cuda" and a.floor else None
     t0 = time.perf_counter()
     model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend)
     print(f"model {a.preset} on {device} ({a.backend}) built in {time.perf_counter() - t0:.1f} s"
-          + (f"; copy bandwidth {bw / 1e12:.2f} TB/s" if bw else ""), flush=True)
+          + (f"; read bandwidth {bw / 1e12:.2f} TB/s" if bw else ""), flush=True)
     return Bench(model, device, a, bw)
 
 

@@ -1,0 +1,47 @@
+"""A streaming read: the HBM read bandwidth the bytes floor is divided by (DESIGN §6).
+
+``stream_xor`` reads every int32 of a buffer once (programs stride over it block by block) and writes
+one XOR of its words per program, so nothing but the read is timed (XOR: any memory contents, no
+overflow). Twin: the XOR of the whole buffer (``stream_xor_reference``)."""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _stream_xor_kernel(X, OUT, n, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        step = tl.num_programs(0) * BLOCK
+        acc = tl.zeros([BLOCK], tl.int32)
+        for start in range(pid * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK)
+            acc ^= tl.load(X + offs, mask=offs < n, other=0)
+        tl.store(OUT + pid, tl.xor_sum(acc, 0))
+
+
+def stream_xor(x: torch.Tensor, programs: int, block: int = 4096, num_warps: int = 8) -> torch.Tensor:
+    """Per-program XORs of the 1-D int32 ``x`` (program p reads blocks p, p + programs, ...):
+    [programs] int32."""
+    if x.dtype != torch.int32 or x.dim() != 1 or not x.is_contiguous():
+        raise ValueError(f"stream_xor: x must be a contiguous 1-D int32 tensor, got {x.dtype} {tuple(x.shape)}")
+    if x.numel() >= 2**31:
+        raise ValueError(f"stream_xor: {x.numel()} elements; at most 2**31 - 1 (int32 offsets)")
+    out = torch.empty(programs, device=x.device, dtype=torch.int32)
+    _stream_xor_kernel[(programs,)](x, out, x.numel(), BLOCK=block, num_warps=num_warps)
+    return out
+
+
+def stream_xor_reference(x: torch.Tensor) -> int:
+    """The XOR of every word of ``x`` (that of ``stream_xor``'s partials)."""
+    return functools.reduce(operator.xor, x.cpu().tolist(), 0)
