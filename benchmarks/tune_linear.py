@@ -36,8 +36,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="comma-separated case names to run (default: all)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    import triton.testing
-
+    from wmtp.bench.timing import cold_ms_per_call
     from wmtp.kernels.linear import LinearTiles, decode_linear, linear_tiles, skinny_linear
 
     dt, rows = torch.bfloat16, []
@@ -48,11 +47,7 @@ def main() -> None:
         x = torch.randn(T, K, device="cuda", dtype=dt)
 
         def bench(fn) -> float:
-            def run():
-                for w in ws:
-                    fn(w)
-            run()
-            return triton.testing.do_bench_cudagraph(run) / copies
+            return cold_ms_per_call(fn, ws)
 
         cublas = bench(lambda w: F.linear(x, w))
         chosen = linear_tiles(T, N, K)

@@ -51,14 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def sweep(name: str, fn: Callable[..., torch.Tensor], layers: int, nbytes: int, T: int) -> dict:
     """Times ``fn(layer, **cfg)`` per launch, over every layer's weights in one graph, for every
     configuration of ``GRIDS[name]`` and for the defaults."""
-    import triton.testing
+    from wmtp.bench.timing import cold_ms_per_call
 
     def per_launch(**cfg) -> float:
-        def run():
-            for layer in range(layers):
-                fn(layer, **cfg)
-        run()
-        return triton.testing.do_bench_cudagraph(run) / layers
+        return cold_ms_per_call(lambda layer: fn(layer, **cfg), range(layers))
 
     results = []
     for bn, bk, nw, ns in GRIDS[name]:
