@@ -107,6 +107,9 @@ def test_prefill_chunk_fp32_head_dim_256():
     _compare(case, atol=1e-4)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="interpreter only: fp32 K / V blocks of this tile exceed the GPU's "
+                    "shared memory (the engine never launches it in fp32); the GPU runs it in bf16 in "
+                    "test_bf16_real_head_dims_gpu")
 @pytest.mark.parametrize("page", [16, 64])
 def test_prefill_tile_fp32(page):
     """The bf16 prefill tile's launch ([128, 256] rows over 64-key blocks, 8 warps) forced in fp32

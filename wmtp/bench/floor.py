@@ -85,7 +85,9 @@ def step_bytes(model: CausalLM, spec: SpecConfig, context: int, distinct: dict[i
 
 
 # (block, num_warps, programs per SM) of the streaming read; the fastest gives the read bandwidth
-READ_CONFIGS = ((4096, 4, 2), (8192, 8, 4), (16384, 8, 2))
+# (block, warps, programs per SM, unroll): the three fastest of a 112-launch sweep on the H200 (4.45,
+# 4.44, 4.40 TB/s over 4 GiB; tuning/read_bandwidth_s11.json)
+READ_CONFIGS = ((2048, 8, 8, 4), (2048, 8, 4, 4), (2048, 8, 16, 1))
 
 
 def _median_seconds(fn, reps: int) -> float:
@@ -115,8 +117,8 @@ def measure_bandwidth(device: torch.device, gib: float = 4.0, reps: int = 20) ->
     copy_s = _median_seconds(lambda: dst.copy_(src), reps)
     del dst
     words, sms = src.view(torch.int32), torch.cuda.get_device_properties(device).multi_processor_count
-    reads = {f"block {b}, {w} warps, {p}/SM": n / _median_seconds(lambda: stream_xor(words, p * sms, b, w), reps)
-             for b, w, p in READ_CONFIGS}
+    reads = {f"block {b}, {w} warps, {p}/SM, unroll {u}":
+             n / _median_seconds(lambda: stream_xor(words, p * sms, b, w, u), reps) for b, w, p, u in READ_CONFIGS}
     del src, words
     torch.cuda.empty_cache()
     return {"read_bytes_per_s": max(reads.values()), "read_by_config": reads, "copy_bytes_per_s": 2 * n / copy_s,
