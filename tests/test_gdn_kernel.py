@@ -163,6 +163,34 @@ def test_gdn_decode_rejects_bad_input():
         gdn_decode(x[:, :-1], w, conv, t["a"], t["b"], t["A_log"], t["dt_bias"], *tail)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, _BF16_GPU])
+@pytest.mark.parametrize("T", [1, 2, 5, 70])
+def test_conv_prefill_matches_reference(T, dtype):
+    """One prefill piece's conv + SiLU (kernel 4) against causal_conv1d: outputs and the new context,
+    rows strided (a view into the packed projection), C past a channel block; pieces shorter than
+    the context mix the old context into the new one."""
+    from wmtp.kernels.gdn import causal_conv1d_prefill
+    from wmtp.kernels.torch_gdn import causal_conv1d
+
+    g = torch.Generator().manual_seed(T)
+    C = 200
+    x = torch.randn(T, C + 56, generator=g).to(DEVICE, dtype)[:, :C]
+    w = (torch.randn(C, 4, generator=g) * 0.5).to(DEVICE, dtype)
+    state = torch.randn(C, 3, generator=g).to(DEVICE, dtype)
+    want, want_state = causal_conv1d(x, w, state)
+    got, got_state = causal_conv1d_prefill(x, w, state, block_t=16, block_c=128)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype and (got.float() - want.float()).abs().max().item() <= tol
+    assert torch.equal(got_state, want_state)
+
+
+def test_conv_prefill_rejects_other_kernel_sizes():
+    from wmtp.kernels.gdn import causal_conv1d_prefill
+
+    with pytest.raises(ValueError, match=r"causal_conv1d_prefill: weight \(8, 3\) must be \[8, 4\]"):
+        causal_conv1d_prefill(torch.zeros(5, 8), torch.zeros(8, 3), torch.zeros(8, 2))
+
+
 def test_long_pieces_without_fla_use_the_reference():
     """Prefill-sized pieces go to the chunked reference path where fla is absent (same numbers)."""
     from wmtp.kernels.gdn import fla_available

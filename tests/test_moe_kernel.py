@@ -161,6 +161,29 @@ def test_grouped_experts_match_reference(tokens, top_k):
     assert (got - want).abs().max().item() < 2e-2 * want.abs().max().item()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_combine_sorted_matches_scatter_then_sum(dtype):
+    """The expert-sorted rows combined through their positions equal scattering them back to pair
+    order, widening to fp32, weighting and summing over k (the reference it replaced); N past a
+    column block."""
+    from wmtp.kernels.moe import combine_sorted
+
+    g = torch.Generator().manual_seed(1)
+    T, k, N = 5, 3, 300
+    y_sorted = torch.randn(T * k, N, generator=g).to(DEVICE, dtype)
+    order = torch.randperm(T * k, generator=g).to(DEVICE)
+    top_w = torch.rand(T, k, generator=g).to(DEVICE)
+    y = torch.empty_like(y_sorted)
+    y[order] = y_sorted
+    want = (y.view(T, k, N).float() * top_w[..., None]).sum(1).to(dtype)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(T * k, device=DEVICE)
+    got = combine_sorted(y_sorted, pos, top_w, block_n=128)
+    assert got.dtype == dtype and _close(got, want)
+    with pytest.raises(ValueError, match="combine_sorted: y_sorted"):
+        combine_sorted(y_sorted[:-1], pos[:-1], top_w)
+
+
 def test_shape_errors_name_the_tensors():
     with pytest.raises(ValueError, match="swiglu_gemv: weight"):
         swiglu_gemv(torch.zeros(2, 8), torch.zeros(3, 4, 9), torch.zeros(3, 4, 9), torch.zeros(2, dtype=torch.long))

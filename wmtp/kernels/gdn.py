@@ -163,6 +163,30 @@ if triton is not None:
             _store_context(conv, ck, ck >= 0, k3, k2, k1)
 
     @triton.jit
+    def _conv_input(X, CONV, src, cs, ok, stride_xt):
+        """Inputs at times ``src`` [BLOCK_T] of channels ``cs``: rows of X from time 0 on, the carried
+        context ``CONV`` [C, 3] (oldest first) before it, in X's dtype."""
+        x = tl.load(X + tl.maximum(src, 0).to(tl.int64)[:, None] * stride_xt + cs[None, :],
+                    mask=ok & (src >= 0)[:, None], other=0.0)
+        h = tl.load(CONV + cs[None, :] * 3 + (3 + tl.minimum(src, -1))[:, None], mask=ok & (src < 0)[:, None],
+                    other=0.0)
+        return tl.where((src >= 0)[:, None], x, h.to(x.dtype))
+
+    @triton.jit
+    def _conv_prefill_kernel(X, CW, CONV, Y, T, C, stride_xt, stride_yt, BLOCK_T: tl.constexpr,
+                             BLOCK_C: tl.constexpr):
+        ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = cs < C
+        ok = (ts < T)[:, None] & c_ok[None, :]
+        w0, w1, w2, w3 = _conv_taps(CW, cs, c_ok)
+        x = _conv_input(X, CONV, ts, cs, ok, stride_xt)
+        y = _conv_silu(x, _conv_input(X, CONV, ts - 3, cs, ok, stride_xt), _conv_input(X, CONV, ts - 2, cs, ok, stride_xt),
+                       _conv_input(X, CONV, ts - 1, cs, ok, stride_xt), w0[None, :], w1[None, :], w2[None, :],
+                       w3[None, :], CW.dtype.element_ty)
+        tl.store(Y + ts.to(tl.int64)[:, None] * stride_yt + cs[None, :], y.to(Y.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def _gates_kernel(A, B, A_LOG, DT_BIAS, G_OUT, BETA_OUT, HV, R, stride_at, stride_ag, stride_bt, stride_bg,
                       BLOCK_H: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
@@ -292,6 +316,28 @@ def gdn_decode(
             GROUP=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, RECORD=record_len is not None, num_warps=num_warps,
         )
     return o, win, states
+
+
+def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                          block_t: int = 32, block_c: int = 128, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch_gdn.causal_conv1d`` (its twin) of one sequence piece x [T, C] (rows may be strided)
+    for kernel size 4 in one launch: the depthwise causal conv with the carried context
+    ``conv_state`` [C, 3] (oldest first), then SiLU. Returns (y [T, C] in x's dtype, the new
+    context [C, 3] in x's dtype). A prefill chunk's conv in torch is a transpose, a cat, a generic
+    depthwise conv and a SiLU over [T, C] each."""
+    T, C = x.shape
+    if weight.shape != (C, 4) or conv_state.shape != (C, 3):
+        raise ValueError(f"causal_conv1d_prefill: weight {tuple(weight.shape)} must be [{C}, 4] and conv_state "
+                         f"{tuple(conv_state.shape)} [{C}, 3] for x {tuple(x.shape)} (kernel size 4 only)")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(T, C, device=x.device, dtype=x.dtype)
+    if T:
+        _conv_prefill_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
+            x, weight.contiguous(), conv_state.contiguous(), y, T, C, x.stride(0), y.stride(0), BLOCK_T=block_t,
+            BLOCK_C=block_c, num_warps=num_warps)
+    new_state = torch.cat([conv_state.to(x.dtype), x[-3:].transpose(0, 1)], dim=1)[:, -3:]
+    return y, new_state
 
 
 def fla_available(device: torch.device) -> bool:

@@ -126,6 +126,19 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _combine_sorted_kernel(Y, POS, TW, OUT, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Token t's output columns: its top-k expert rows, found in the expert-sorted Y at POS,
+        weighted by TW and summed in fp32 (k in order)."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for j in tl.static_range(TOP_K):
+            row = tl.load(POS + t * TOP_K + j).to(tl.int64)
+            acc += tl.load(TW + t * TOP_K + j) * tl.load(Y + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(OUT + t * N + cols, acc.to(OUT.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def _down_combine_kernel(H, W, IDX, TW, HS, WS, SL, OUT, N, K, KS, stride_we, stride_wn, stride_ws,
                              TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, SHARED: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -327,6 +340,24 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (8, 0))
 
 
+def combine_sorted(y_sorted: torch.Tensor, pos: torch.Tensor, top_w: torch.Tensor, block_n: int = 256) -> torch.Tensor:
+    """``sum_k top_w[t, k] * y[t * top_k + k]`` (fp32, rounded once to y's dtype) where pair p's row
+    ``y[p]`` is ``y_sorted[pos[p]]``: the grouped GEMM's expert-sorted output combined in one read,
+    without scattering it back to pair order or widening it to fp32 first. y_sorted [P, N]; pos [P];
+    top_w [T, top_k] fp32, P = T * top_k. Returns [T, N]."""
+    T, top_k = top_w.shape
+    P, N = y_sorted.shape
+    if P != T * top_k or pos.shape != (P,):
+        raise ValueError(f"combine_sorted: y_sorted {tuple(y_sorted.shape)} and pos {tuple(pos.shape)} must hold "
+                         f"the {T} x {top_k} pairs of top_w {tuple(top_w.shape)}")
+    out = torch.empty(T, N, device=y_sorted.device, dtype=y_sorted.dtype)
+    if T:
+        _combine_sorted_kernel[(T, triton.cdiv(N, block_n))](y_sorted.contiguous(), pos.contiguous(),
+                                                           top_w.float().contiguous(), out, N, TOP_K=top_k,
+                                                           BLOCK_N=block_n)
+    return out
+
+
 def routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_prob,
                            shared: SharedExpert | None = None) -> torch.Tensor:
     """Same contract as ``Backend.moe`` for many tokens (prefill, large batches): the (token, expert)
@@ -341,7 +372,7 @@ def routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_pro
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     h = F.grouped_mm(x[order // top_k], gate_up.transpose(1, 2), offs=offs)
     h = F.silu(h[:, :inter]) * h[:, inter:]
-    y = torch.empty(flat.shape[0], x.shape[1], device=x.device, dtype=x.dtype)
-    y[order] = F.grouped_mm(h, down.transpose(1, 2), offs=offs)
-    out = (y.view(x.shape[0], top_k, -1).float() * top_w[..., None]).sum(1).to(x.dtype)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel(), device=x.device)
+    out = combine_sorted(F.grouped_mm(h, down.transpose(1, 2), offs=offs), pos, top_w)
     return out if shared is None else out + shared_expert_reference(x, shared)

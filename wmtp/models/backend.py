@@ -399,7 +399,8 @@ class TritonBackend(TorchBackend):
 
     def gated_delta_net(self, mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, ssm_state, ctx, layer_idx,
                         dims, record_into=None):
-        from wmtp.kernels.gdn import MAX_RECURRENT_TOKENS, fla_available, gdn_chunked_fla, gdn_decode, gdn_gates
+        from wmtp.kernels.gdn import (MAX_RECURRENT_TOKENS, causal_conv1d_prefill, fla_available, gdn_chunked_fla,
+                                      gdn_decode, gdn_gates)
         from wmtp.kernels.torch_gdn import causal_conv1d
 
         gates = (a, b, A_log, dt_bias)
@@ -411,9 +412,10 @@ class TritonBackend(TorchBackend):
                 return super().gated_delta_net(mixed_qkv, *gates, conv_weight, conv_state, ssm_state, ctx, layer_idx,
                                                dims)
             conv_out = torch.empty_like(mixed_qkv)
+            conv = causal_conv1d_prefill if dims[-1] == 4 else causal_conv1d  # the kernel is written for size 4
             for req, n in enumerate(ctx.q_lens):
                 lo, slot = ctx.token_offsets[req], ctx.state_slots[req : req + 1]
-                conv_out[lo : lo + n], new = causal_conv1d(mixed_qkv[lo : lo + n], conv_weight, conv_state[slot][0])
+                conv_out[lo : lo + n], new = conv(mixed_qkv[lo : lo + n], conv_weight, conv_state[slot][0])
                 conv_state[slot] = new[None].to(conv_state.dtype)
             return gdn_chunked_fla(conv_out, *gdn_gates(*gates), ssm_state, ctx, dims)
         if dims[-1] != 4 or not conv_state.is_contiguous():  # the fused conv is written for Qwen's kernel size 4
