@@ -319,12 +319,14 @@ def gdn_decode(
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
-                          block_t: int = 32, block_c: int = 128, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                          block_t: int = 16, block_c: int = 64, num_warps: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch_gdn.causal_conv1d`` (its twin) of one sequence piece x [T, C] (rows may be strided)
     for kernel size 4 in one launch: the depthwise causal conv with the carried context
     ``conv_state`` [C, 3] (oldest first), then SiLU. Returns (y [T, C] in x's dtype, the new
     context [C, 3] in x's dtype). A prefill chunk's conv in torch is a transpose, a cat, a generic
-    depthwise conv and a SiLU over [T, C] each."""
+    depthwise conv and a SiLU over [T, C] each. The default tile is the fastest of a 36-launch H200
+    sweep: 196 against 1,363 us for the torch path over an 8192 x 8192 bf16 chunk
+    (tuning/ttft_conv_prefill_s11/log.txt; ``benchmarks/tune_conv_prefill.py``)."""
     T, C = x.shape
     if weight.shape != (C, 4) or conv_state.shape != (C, 3):
         raise ValueError(f"causal_conv1d_prefill: weight {tuple(weight.shape)} must be [{C}, 4] and conv_state "
