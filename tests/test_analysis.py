@@ -285,6 +285,21 @@ def test_report_every_section(tmp_path):
     assert not rep.warnings
 
 
+def test_report_states_the_floor_bandwidth(tmp_path):
+    """A step file's section names the bandwidth its floors divide by: read (DESIGN §6) or, in older
+    files, a copy's."""
+    for name, bw in (("read", {"read_bytes_per_s": 4.41e12, "copy_bytes_per_s": 4.23e12}),
+                     ("copy", {"copy_bytes_per_s": 4.29e12, "copy_gib": 4.0})):
+        (p,) = write_fake_results(tmp_path / "res" / name, kinds=["step"])
+        obj = json.loads(p.read_text())
+        obj["meta"]["bandwidth"] = bw
+        p.write_text(json.dumps(obj))
+    build_report(tmp_path / "res", tmp_path / "out" / "REPORT.md")
+    text = (tmp_path / "out" / "REPORT.md").read_text()
+    assert "HBM read bandwidth measured in the run, 4.41 TB/s (a copy: 4.23 TB/s" in text
+    assert "a copy's read + write bandwidth, 4.29 TB/s (this file predates" in text
+
+
 def test_report_same_kind_in_subfolders_gets_separate_plots(tmp_path):
     """Two batch sweeps (e.g. at 1M and at 131K) in different folders: two sections, two plots."""
     for sub in ("a", "b"):

@@ -261,11 +261,27 @@ def section_step(rep: Report, f: ResultFile) -> None:
                      fmt_ci(al) if al else "–", fmt_ci(tpot, 1e3) if tpot else "–"])
     rep.table(["mode", "S", "d", "B", "T_iter ms", "p10 ms", "p90 ms", "floor ms", "T_iter/floor",
                "synchronised ms", "sync/floor", "AL", "TPOT ms"], rows)
+    basis = _floor_basis(f.meta.get("bandwidth"))
+    if basis:
+        rep.add(basis)
+        rep.add("")
     if any(r.get("t_iter_sync_s") for r in f.rows):
         rep.add("T_iter: one iteration in flight (the engine's default), the interval between consecutive "
                 "iterations' results; synchronised: every step GPU-synchronised before and after.")
         rep.add("")
     _ratio_lines(rep, f.rows, ("S", "d", "B"))
+
+
+def _floor_basis(bw: dict | None) -> str | None:
+    """Which bandwidth the file's floors divide by: the HBM read bandwidth (DESIGN §6), or, in files
+    written before it was measured, a device-to-device copy's read + written bytes per second."""
+    if not bw:
+        return None
+    if "read_bytes_per_s" in bw:
+        return (f"Floor: bytes over the HBM read bandwidth measured in the run, {bw['read_bytes_per_s'] / 1e12:.2f} TB/s "
+                f"(a copy: {bw['copy_bytes_per_s'] / 1e12:.2f} TB/s read + write).")
+    return (f"Floor: bytes over a copy's read + write bandwidth, {bw['copy_bytes_per_s'] / 1e12:.2f} TB/s (this file "
+            "predates the read-bandwidth measurement DESIGN §6 asks for; the read bandwidth is higher, so its ratios are lower).")
 
 
 def _ratio_lines(rep: Report, rows: list[dict], keys: tuple[str, ...]) -> None:
