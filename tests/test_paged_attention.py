@@ -15,7 +15,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from wmtp.engine.window import DraftWindow  # noqa: E402
-from wmtp.kernels.paged_attention import PREFILL_MIN_Q, AttentionMeta, paged_attention, store_kv  # noqa: E402
+from wmtp.kernels.paged_attention import (  # noqa: E402
+    MERGE_MAX_BLOCK_S, PREFILL_MIN_Q, AttentionMeta, paged_attention, store_kv)
 from wmtp.models.backend import TorchBackend  # noqa: E402
 from wmtp.models.context import ForwardContext, PagedSlots, RingSlots  # noqa: E402
 
@@ -140,6 +141,15 @@ def test_windowed_draft_over_ring(splits):
     """Draft steps and extend: the window rule and the ring slot map, per request."""
     case = _case(1, 4, 2, 32, q_lens=[1, 4, 1, 2], starts=[3, 30, 77, 19], windows=[W] * 4, ring=True)
     _compare(case, splits)
+
+
+@pytest.mark.parametrize("splits", [40, MERGE_MAX_BLOCK_S + 44])
+def test_many_splits_merge(splits):
+    """The merge over tens of splits in one load round, and over more than one round's worth
+    (MERGE_MAX_BLOCK_S): 4,503 keys over 16-key tiles put keys in 282 of the 300 splits (the rest,
+    and most of the short request's, are empty)."""
+    case = _case(5, 4, 2, 32, q_lens=[3, 1], starts=[4500, 700], windows=[None] * 2, ring=False, page=16)
+    _compare(case, splits, block_n=16)
 
 
 def test_mixed_windows_in_one_paged_forward():

@@ -210,7 +210,9 @@ if triton is not None:
                              stride_gh, H, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                              GATED: tl.constexpr):
         """One program per (token, head) row and block of head dims; splits are walked in blocks
-        of BLOCK_S (two passes: the global max, then the rescaled sums) so tiles stay small."""
+        of BLOCK_S (two passes: the global max, then the rescaled sums). The host makes BLOCK_S
+        cover every split when it can (one load round per pass: the loop is a chain of dependent
+        loads) and narrows BLOCK_D to keep the [BLOCK_S, BLOCK_D] tile small."""
         r = tl.program_id(0)
         db = tl.program_id(1)
         tok = r // H
@@ -285,6 +287,11 @@ def _num_sms(device: torch.device) -> int:
 # slowed the prefill main loop by 10% on the H200: 4.05 vs 3.67 s of attention in a 131,072-token
 # prefill, tuning/ttft_bisect_s10); decode / verify keep it fused.
 PREFILL_MIN_Q = 64
+
+# The split merge's tile: up to MERGE_MAX_BLOCK_S splits per load round (a 1.04M-key verify runs 132)
+# over MERGE_TILE // BLOCK_S head dims, i.e. at most 8192 fp32 values (32 KB) a program.
+MERGE_MAX_BLOCK_S = 256
+MERGE_TILE = 8192
 
 
 def paged_attention(
@@ -372,10 +379,11 @@ def paged_attention(
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if split:
-        block_d = min(D, 64)
+        block_s = min(MERGE_MAX_BLOCK_S, triton.next_power_of_2(num_splits))
+        block_d = max(16, min(D, 64, MERGE_TILE // block_s))
         _merge_splits_kernel[(T * H, D // block_d)](
             o_part, m_part, l_part, out, out if gate is None else gate, num_splits, T * H, out.stride(0),
             out.stride(1), *gate_strides, H,
-            D=D, BLOCK_D=block_d, BLOCK_S=32, GATED=gate is not None,
+            D=D, BLOCK_D=block_d, BLOCK_S=block_s, GATED=gate is not None,
         )
     return out
