@@ -26,3 +26,22 @@ def test_stream_xor_rejects_other_buffers():
         stream_xor(torch.zeros(8, dtype=torch.float32), 2)
     with pytest.raises(ValueError, match="must stay below 2\\*\\*31"):
         stream_xor(torch.zeros(8, dtype=torch.int32), programs=2**20, block=1024, unroll=4)
+
+
+def test_best_rates_interleaves_rounds_and_keeps_each_best():
+    """The bandwidth is each timer's best round, and rounds alternate between timers (a slow
+    stretch of the GPU lowers one round of each, not every reading of one)."""
+    from wmtp.bench.floor import best_rates
+
+    calls = []
+    times = {"a": iter([2.0, 1.0, 4.0]), "b": iter([1.0, 8.0, 2.0])}
+
+    def timer(name):
+        def seconds():
+            calls.append(name)
+            return next(times[name])
+        return seconds
+
+    rates = best_rates({k: timer(k) for k in times}, {"a": 8.0, "b": 4.0}, rounds=3)
+    assert rates == {"a": 8.0, "b": 4.0}
+    assert calls == ["a", "b"] * 3

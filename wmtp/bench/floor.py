@@ -12,6 +12,7 @@ same run (a streaming read; ``measure_bandwidth``). Counted per iteration (γ = 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -84,10 +85,13 @@ def step_bytes(model: CausalLM, spec: SpecConfig, context: int, distinct: dict[i
     )
 
 
-# (block, num_warps, programs per SM) of the streaming read; the fastest gives the read bandwidth
-# (block, warps, programs per SM, unroll): the three fastest of a 112-launch sweep on the H200 (4.45,
-# 4.44, 4.40 TB/s over 4 GiB; tuning/read_bandwidth_s11.json)
+# (block, warps, programs per SM, unroll) of the streaming read: the three fastest of a 112-launch sweep
+# on the H200 (4.45, 4.44, 4.40 TB/s over 4 GiB; tuning/read_bandwidth_s11.json)
 READ_CONFIGS = ((2048, 8, 8, 4), (2048, 8, 4, 4), (2048, 8, 16, 1))
+# One round's median of 20 reads moved 4.27-4.43 TB/s between runs of one lease (tuning/
+# merge_one_round_s11/); a floor over a low reading is too high and flatters T_iter / floor, so each
+# timing takes the best of rounds interleaved over the configurations.
+BANDWIDTH_ROUNDS = 3
 
 
 def _median_seconds(fn, reps: int) -> float:
@@ -104,25 +108,39 @@ def _median_seconds(fn, reps: int) -> float:
     return times[len(times) // 2]
 
 
-def measure_bandwidth(device: torch.device, gib: float = 4.0, reps: int = 20) -> dict:
+def best_rates(timers: dict[str, Callable[[], float]], nbytes: dict[str, float], rounds: int) -> dict[str, float]:
+    """Bytes per second of each timer (seconds per call of ``nbytes[name]`` bytes) at its best of
+    ``rounds`` calls, the rounds interleaved over the timers, so that one slow moment of the GPU
+    lowers one round of each rather than every reading of one timer."""
+    best = dict.fromkeys(timers, 0.0)
+    for _ in range(rounds):
+        for name, seconds in timers.items():
+            best[name] = max(best[name], nbytes[name] / seconds())
+    return best
+
+
+def measure_bandwidth(device: torch.device, gib: float = 4.0, reps: int = 20, rounds: int = BANDWIDTH_ROUNDS) -> dict:
     """HBM bandwidth of ``gib`` GiB on ``device``: ``read_bytes_per_s``, the floor's denominator
     (DESIGN §6: read bandwidth), is the fastest streaming read (``stream_xor``) of ``READ_CONFIGS``;
     ``copy_bytes_per_s`` (a device-to-device copy, bytes read + written) is kept beside it (the
-    floors of sessions 3-10 divided by it)."""
+    floors of sessions 3-10 divided by it). Each is the best of ``rounds`` medians of ``reps``."""
     from wmtp.kernels.stream import stream_xor
 
     n = int(gib * 2**30) // 4 * 4
     src = torch.zeros(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy_s = _median_seconds(lambda: dst.copy_(src), reps)
-    del dst
     words, sms = src.view(torch.int32), torch.cuda.get_device_properties(device).multi_processor_count
-    reads = {f"block {b}, {w} warps, {p}/SM, unroll {u}":
-             n / _median_seconds(lambda: stream_xor(words, p * sms, b, w, u), reps) for b, w, p, u in READ_CONFIGS}
-    del src, words
+    def read(block: int, warps: int, per_sm: int, unroll: int) -> Callable[[], float]:
+        return lambda: _median_seconds(lambda: stream_xor(words, per_sm * sms, block, warps, unroll), reps)
+
+    timers = {"copy": lambda: _median_seconds(lambda: dst.copy_(src), reps),
+              **{f"block {b}, {w} warps, {p}/SM, unroll {u}": read(b, w, p, u) for b, w, p, u in READ_CONFIGS}}
+    rates = best_rates(timers, {k: 2 * n if k == "copy" else n for k in timers}, rounds)
+    del src, dst, words
     torch.cuda.empty_cache()
-    return {"read_bytes_per_s": max(reads.values()), "read_by_config": reads, "copy_bytes_per_s": 2 * n / copy_s,
-            "gib": gib}
+    copy = rates.pop("copy")
+    return {"read_bytes_per_s": max(rates.values()), "read_by_config": rates, "copy_bytes_per_s": copy, "gib": gib,
+            "rounds": rounds, "reps": reps}
 
 
 class ExpertCounter:
