@@ -287,17 +287,24 @@ def test_report_every_section(tmp_path):
 
 def test_report_states_the_floor_bandwidth(tmp_path):
     """A step file's section names the bandwidth its floors divide by: read (DESIGN §6) or, in older
-    files, a copy's."""
+    files, a copy's; and the GPU's state after each mode where the file has it."""
     for name, bw in (("read", {"read_bytes_per_s": 4.41e12, "copy_bytes_per_s": 4.23e12}),
                      ("copy", {"copy_bytes_per_s": 4.29e12, "copy_gib": 4.0})):
         (p,) = write_fake_results(tmp_path / "res" / name, kinds=["step"])
         obj = json.loads(p.read_text())
         obj["meta"]["bandwidth"] = bw
+        if name == "read":  # and the GPU state bench step records after each mode
+            obj["rows"][0]["gpu_state_after"] = {"clocks.sm": "1905", "clocks.mem": "3201", "power.draw": "685.06",
+                                                 "power.limit": "700.00", "temperature.gpu": "55",
+                                                 "clocks_event_reasons.active": "0x0000000000000004"}
         p.write_text(json.dumps(obj))
     build_report(tmp_path / "res", tmp_path / "out" / "REPORT.md")
     text = (tmp_path / "out" / "REPORT.md").read_text()
     assert "HBM read bandwidth measured in the run, 4.41 TB/s (a copy: 4.23 TB/s" in text
     assert "a copy's read + write bandwidth, 4.29 TB/s (this file predates" in text
+    assert ("- GPU after dense's timed iterations: SM 1905 MHz, memory 3201 MHz, 685.06 W of 700.00 W, 55 C, "
+            "clock events: sw power cap") in text
+    assert text.count("timed iterations: SM") == 1
 
 
 def test_report_same_kind_in_subfolders_gets_separate_plots(tmp_path):

@@ -5,7 +5,7 @@ import stat
 
 import torch
 
-from wmtp.bench.step import GPU_REASON_FIELDS, GPU_STATE_FIELDS, gpu_state
+from wmtp.bench.gpu_state import GPU_REASON_FIELDS, GPU_STATE_FIELDS, describe_gpu_state, gpu_state
 
 
 def _fake_smi(tmp_path, monkeypatch, script: str) -> None:
@@ -33,3 +33,15 @@ def test_reads_the_fields_and_falls_back_to_the_legacy_reason_name(tmp_path, mon
 def test_a_malformed_answer_is_none(tmp_path, monkeypatch):
     _fake_smi(tmp_path, monkeypatch, 'echo "[N/A]"\n')
     assert gpu_state(torch.device("cuda:0")) is None
+
+
+def test_describe_names_the_clock_event_reasons():
+    state = dict(zip((*GPU_STATE_FIELDS, GPU_REASON_FIELDS[0]), ["1950", "3201", "688.31", "700.00", "57", "0x4"]))
+    assert describe_gpu_state(state) == "SM 1950 MHz, memory 3201 MHz, 688.31 W of 700.00 W, 57 C, clock events: sw power cap"
+    state[GPU_REASON_FIELDS[0]] = "0x0000000000000045"  # idle + power cap + hw thermal
+    assert describe_gpu_state(state).endswith("clock events: gpu idle, sw power cap, hw thermal slowdown")
+    state[GPU_REASON_FIELDS[0]] = "0x0000000000000000"
+    assert describe_gpu_state(state).endswith("clock events: none")
+    state[GPU_REASON_FIELDS[0]] = "[N/A]"
+    assert describe_gpu_state(state).endswith("clock events: [N/A]")
+    assert describe_gpu_state(None) is None

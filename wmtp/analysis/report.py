@@ -36,6 +36,7 @@ from pathlib import Path
 from wmtp.analysis.stats import (
     MeanCI, acceptance_length_from_alphas, alpha_intervals, diff_ci, mean_ci, ols_fit, ratio_ci,
 )
+from wmtp.bench.gpu_state import describe_gpu_state
 from wmtp.engine.metrics import acceptance_length
 from wmtp.errors import WmtpError
 
@@ -264,6 +265,12 @@ def section_step(rep: Report, f: ResultFile) -> None:
     basis = _floor_basis(f.meta.get("bandwidth"))
     if basis:
         rep.add(basis)
+        rep.add("")
+    states = [(r["mode"], describe_gpu_state(r.get("gpu_state_after"))) for r in f.rows]
+    for mode, state in states:
+        if state:
+            rep.add(f"- GPU after {mode}'s timed iterations: {state}")
+    if any(state for _, state in states):
         rep.add("")
     if any(r.get("t_iter_sync_s") for r in f.rows):
         rep.add("T_iter: one iteration in flight (the engine's default), the interval between consecutive "

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from wmtp.bench.gpu_state import describe_gpu_state, gpu_state
 from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.engine.engine import Engine
 
@@ -68,36 +69,6 @@ def hardware_name(device: torch.device | str) -> str:
     return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-GPU_STATE_FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "power.limit", "temperature.gpu")
-# the throttle-reason bit mask's name since driver 535, then before it
-GPU_REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
-
-
-def gpu_state(device: torch.device | str) -> dict[str, str] | None:
-    """The GPU's SM / memory clocks (MHz), power draw and limit (W), temperature (C) and active
-    clock-event (throttle) reasons from ``nvidia-smi``, read now; None off CUDA or without it. Leases
-    of the same GPU model differ in T_iter by a few percent: this says whether clocks differed."""
-    import shutil
-    import subprocess
-
-    device = torch.device(device)
-    if device.type != "cuda" or shutil.which("nvidia-smi") is None:
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    for reason in GPU_REASON_FIELDS:
-        fields = (*GPU_STATE_FIELDS, reason)
-        try:
-            out = subprocess.run(["nvidia-smi", f"--id={index}", f"--query-gpu={','.join(fields)}",
-                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10,
-                                 check=True)
-        except (OSError, subprocess.SubprocessError):
-            continue
-        values = [v.strip() for v in out.stdout.strip().split(",")]
-        if len(values) == len(fields):
-            return dict(zip(fields, values))
-    return None
-
-
 def time_mode(model, mode: str, a: argparse.Namespace, bandwidth: float) -> dict:
     from wmtp.bench.floor import ExpertCounter, step_bytes
     from wmtp.bench.synthetic import add_synthetic_request, force_acceptance, randomize_pools
@@ -132,6 +103,8 @@ def time_mode(model, mode: str, a: argparse.Namespace, bandwidth: float) -> dict
         print(f"[{mode:8s}] {key:11s} median {med * 1e3:8.2f} ms (p10 {q[0] * 1e3:.2f}, p90 {q[-1] * 1e3:.2f}, "
               f"n={len(times)}) | floor {floor * 1e3:.2f} ms ({sb.total / 2**30:.2f} GiB) | /floor {med / floor:.2f}",
               flush=True)
+    if state:
+        print(f"[{mode:8s}] GPU after the timed iterations: {describe_gpu_state(state)}", flush=True)
     row.update({"iterations": len(overlapped), "floor_s": floor, "floor_bytes": sb.total, "bytes": sb.to_dict(),
                 "pool_bytes": pools, "gpu_state_after": state})
     return row
