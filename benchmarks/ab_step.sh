@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Same-lease A/B of decode code: bench step's T_iter for several revisions, interleaved round by
+# round on one GPU. Leases of the same GPU model differ by a few percent in T_iter (power cap,
+# clocks), so runs from different device calls cannot resolve a 1% change; interleaving can.
+#   here:       benchmarks/ab_step.sh pack REV [REV ...]   # git archive each into .ab/<rev>.tar
+#   on the GPU: benchmarks/ab_step.sh run [ROUNDS] [MODES]  # (carry .ab and .whl) -> $OUT/ab_*.json,
+#                                                           #    $OUT/ab_summary.txt
+# Env: PRESET (qwen3.6-35b-a3b), CONTEXT (1040000), D (7), ITERS (60).
+set -euo pipefail
+cmd=${1:-}
+case $cmd in
+pack)
+  shift
+  [[ $# -ge 1 ]] || { echo "ab_step.sh pack: name at least one revision" >&2; exit 2; }
+  rm -rf .ab && mkdir -p .ab  # about 12 MB a revision; a device call carries 64 MiB in all
+  for rev in "$@"; do
+    sha=$(git rev-parse --short "$rev")
+    git archive -o ".ab/$sha.tar" "$sha"
+    echo "$sha" >> .ab/order  # the first is the baseline of the summary
+    echo ".ab/$sha.tar ($rev)"
+  done ;;
+run)
+  rounds=${2:-2} modes=${3:-windowed} out=${OUT:-ab_out}
+  [[ -f .ab/order ]] || { echo "ab_step.sh run: no .ab/order (pack the revisions first, carry .ab)" >&2; exit 2; }
+  mkdir -p "$out" /tmp/ab
+  out=$(cd "$out" && pwd)
+  site=""
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    site=/tmp/site
+  fi
+  mapfile -t revs < .ab/order
+  for rev in "${revs[@]}"; do
+    mkdir -p "/tmp/ab/$rev" && tar -xf ".ab/$rev.tar" -C "/tmp/ab/$rev"
+  done
+  for ((r = 1; r <= rounds; r++)); do
+    for rev in "${revs[@]}"; do
+      (cd "/tmp/ab/$rev" && PYTHONPATH="/tmp/ab/$rev:$site" PYTHONUNBUFFERED=1 python3 -m wmtp bench step \
+         --preset "${PRESET:-qwen3.6-35b-a3b}" --context "${CONTEXT:-1040000}" -d "${D:-7}" --iters "${ITERS:-60}" \
+         --modes "$modes" --out "$out/ab_${rev}_$r.json" | grep "t_iter " || true)
+      [[ -f "$out/ab_${rev}_$r.json" ]] || echo "ab_step.sh: $rev round $r failed (no JSON)" | tee -a "$out/ab_summary.txt" >&2
+    done
+  done
+  python3 - "$out" "${revs[@]}" <<'PY' | tee -a "$out/ab_summary.txt"
+import json, statistics, sys
+out, revs = sys.argv[1], sys.argv[2:]
+rows = {}
+for rev in revs:
+    for r in range(1, 1000):
+        try:
+            d = json.load(open(f"{out}/ab_{rev}_{r}.json"))
+        except FileNotFoundError:
+            break
+        for row in d["rows"]:
+            rows.setdefault((row["mode"], rev), []).append(row["t_iter_s"][0] * 1e3)
+for mode in sorted({m for m, _ in rows}):
+    base = statistics.mean(rows.get((mode, revs[0]), [float("nan")]))
+    for rev in revs:
+        t = rows.get((mode, rev), [])
+        if t:
+            print(f"{mode:9s} {rev}: T_iter {' / '.join(f'{x:.3f}' for x in t)} ms, mean {statistics.mean(t):.3f}"
+                  f" ({statistics.mean(t) / base:.4f} of {revs[0]})")
+PY
+  ;;
+*)
+  echo "usage: benchmarks/ab_step.sh pack REV [REV ...] | run [ROUNDS] [MODES]" >&2; exit 2 ;;
+esac
