@@ -130,6 +130,7 @@ def measure_bandwidth(device: torch.device, gib: float = 4.0, reps: int = 20, ro
     src = torch.zeros(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     words, sms = src.view(torch.int32), torch.cuda.get_device_properties(device).multi_processor_count
+
     def read(block: int, warps: int, per_sm: int, unroll: int) -> Callable[[], float]:
         return lambda: _median_seconds(lambda: stream_xor(words, per_sm * sms, block, warps, unroll), reps)
 
