@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from wmtp.kernels.common import arrival_counters
+from wmtp.kernels.common import arrival_counters, pdl
 
 try:
     import triton
@@ -24,11 +24,12 @@ CHUNK = 8192  # entries per program
 BLOCK = 4096  # entries per load
 
 if triton is not None:
-    from wmtp.kernels.common import last_to_arrive
+    from wmtp.kernels.common import last_to_arrive, wait_prior
 
     @triton.jit
     def _argmax_kernel(X, OUT, PART_V, PART_I, COUNT, V, stride_x, out_n1, out_s0, out_s1, SPLITS,
-                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLITS_P: tl.constexpr):
+                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLITS_P: tl.constexpr, PDL: tl.constexpr):
+        wait_prior(PDL)
         t = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
         lo = s * CHUNK
@@ -75,5 +76,6 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
         part_i = torch.empty(T, sp, device=x.device, dtype=torch.int32)
         n1, s0, s1 = (T, 0, out.stride(0)) if out.dim() == 1 else (out.shape[1], out.stride(0), out.stride(1))
         _argmax_kernel[(T, splits)](x, out, part_v, part_i, arrival_counters(x.device, T), V, x.stride(0), n1, s0,
-                                    s1, splits, CHUNK=CHUNK, BLOCK=min(BLOCK, triton.next_power_of_2(V)), SPLITS_P=sp)
+                                    s1, splits, CHUNK=CHUNK, BLOCK=min(BLOCK, triton.next_power_of_2(V)), SPLITS_P=sp,
+                                    **pdl(x.device))
     return out

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from wmtp.kernels.common import arrival_counters
+from wmtp.kernels.common import arrival_counters, pdl
 from wmtp.kernels.torch_gdn import L2NORM_EPS
 
 try:
@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover
 MAX_RECURRENT_TOKENS = 16
 
 if triton is not None:
-    from wmtp.kernels.common import last_to_arrive
+    from wmtp.kernels.common import last_to_arrive, wait_prior
 
     @triton.jit
     def _gate_values(a, b, a_log, dt_bias):
@@ -87,7 +87,8 @@ if triton is not None:
     def _gdn_decode_kernel(X, CW, CONV, A, B, A_LOG, DT_BIAS, STATE, SLOTS, TOK_OFF, Q_LEN, O, REC, WIN, COUNT,
                            HK, HV, R, C, stride_xt, stride_cs, stride_at, stride_ag, stride_bt, stride_bg, stride_ss,
                            stride_sh, win_rows, scale, eps, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                           BLOCK_V: tl.constexpr, RECORD: tl.constexpr):
+                           BLOCK_V: tl.constexpr, RECORD: tl.constexpr, PDL: tl.constexpr):
+        wait_prior(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -174,7 +175,8 @@ if triton is not None:
 
     @triton.jit
     def _conv_prefill_kernel(X, CW, CONV, Y, T, C, stride_xt, stride_yt, BLOCK_T: tl.constexpr,
-                             BLOCK_C: tl.constexpr):
+                             BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+        wait_prior(PDL)
         ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = cs < C
@@ -188,7 +190,8 @@ if triton is not None:
 
     @triton.jit
     def _gates_kernel(A, B, A_LOG, DT_BIAS, G_OUT, BETA_OUT, HV, R, stride_at, stride_ag, stride_bt, stride_bg,
-                      BLOCK_H: tl.constexpr):
+                      BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+        wait_prior(PDL)
         t = tl.program_id(0).to(tl.int64)
         hs = tl.arange(0, BLOCK_H)
         ok = hs < HV
@@ -201,9 +204,10 @@ if triton is not None:
     @triton.jit
     def _rollback_kernel(CONV, SSM, REC, WIN, SLOTS, ACC, B, n, N, C, win_rows, stride_cl, stride_cs, stride_sl,
                          stride_ss, stride_rl, stride_wl, SSM_BLOCKS, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
-                         KM1: tl.constexpr):
+                         KM1: tl.constexpr, PDL: tl.constexpr):
         """Program (layer * B + b, j): block j of request b's recorded state after its accepted token
         -> its ssm slot; programs past the ssm blocks copy the conv window rows."""
+        wait_prior(PDL)
         lb = tl.program_id(0)
         j = tl.program_id(1)
         l = (lb // B).to(tl.int64)
@@ -247,7 +251,7 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
     beta = torch.empty(T, HV, device=a.device, dtype=b.dtype)
     if T:
         _gates_kernel[(T,)](a, b, A_log, dt_bias, g, beta, HV, R, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                            BLOCK_H=triton.next_power_of_2(HV))
+                            BLOCK_H=triton.next_power_of_2(HV), **pdl(a.device))
     return g, beta
 
 
@@ -314,6 +318,7 @@ def gdn_decode(
             HK, HV, R, C, x.stride(0), conv_state.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             ssm_state.stride(0), ssm_state.stride(1), 3 + (record_len or 0), DK**-0.5, L2NORM_EPS,
             GROUP=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, RECORD=record_len is not None, num_warps=num_warps,
+            **pdl(x.device),
         )
     return o, win, states
 
@@ -337,7 +342,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
     if T:
         _conv_prefill_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
             x, weight.contiguous(), conv_state.contiguous(), y, T, C, x.stride(0), y.stride(0), BLOCK_T=block_t,
-            BLOCK_C=block_c, num_warps=num_warps)
+            BLOCK_C=block_c, num_warps=num_warps, **pdl(x.device))
     new_state = torch.cat([conv_state.to(x.dtype), x[-3:].transpose(0, 1)], dim=1)[:, -3:]
     return y, new_state
 
@@ -395,4 +400,4 @@ def rollback_states(conv: torch.Tensor, ssm: torch.Tensor, rec_states: torch.Ten
     _rollback_kernel[(L * B, ssm_blocks + triton.cdiv(C, block_c))](
         conv, ssm, rec_states, rec_windows, slots, accepted, B, n, N, C, km1 + n, conv.stride(0), conv.stride(1),
         ssm.stride(0), ssm.stride(1), rec_states.stride(0), rec_windows.stride(0), ssm_blocks,
-        BLOCK=block, BLOCK_C=block_c, KM1=km1)
+        BLOCK=block, BLOCK_C=block_c, KM1=km1, **pdl(conv.device))

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from wmtp.kernels.common import arrival_counters
+from wmtp.kernels.common import arrival_counters, pdl
 
 try:
     import triton
@@ -43,7 +43,7 @@ class LinearTiles(NamedTuple):
 
 
 if triton is not None:
-    from wmtp.kernels.common import last_to_arrive
+    from wmtp.kernels.common import last_to_arrive, wait_prior
 
     @triton.jit
     def split_dot(X, W, stride_xt, stride_wn, ts, t_ok, cols, col_ok, k_lo, K_SPLIT, K, WIDEN: tl.constexpr,
@@ -65,7 +65,9 @@ if triton is not None:
     @triton.jit
     def _skinny_linear_kernel(X, W, BIAS, OUT, PART, COUNT, T, N, K, stride_xt, stride_wn, stride_ot, K_SPLIT,
                               HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, WIDEN: tl.constexpr,
-                              PREC: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              PREC: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PDL: tl.constexpr):
+        wait_prior(PDL)
         nb = tl.program_id(0)
         s = tl.program_id(1)
         cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,7 +146,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             x2, weight, out if bias is None else bias, out, part, arrival_counters(x.device, blocks), T, N, K,
             x2.stride(0), weight.stride(0), out.stride(0), k_split, HAS_BIAS=bias is not None, SPLITS=splits,
             T_P=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **dot_flags(x.dtype))
+            num_stages=cfg.num_stages, **dot_flags(x.dtype), **pdl(x.device))
     return out.view(*x.shape[:-1], N)
 
 

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from wmtp.kernels.common import SharedExpert
+from wmtp.kernels.common import SharedExpert, pdl
 from wmtp.kernels.linear import decode_linear
 
 try:
@@ -45,10 +45,13 @@ MAX_GEMV_PAIRS = 256
 
 
 if triton is not None:
+    from wmtp.kernels.common import wait_prior
 
     @triton.jit
     def _route_topk_kernel(LOGITS, W_OUT, I_OUT, X, SG, SG_OUT, E, HID, TOP_K: tl.constexpr, K_P: tl.constexpr,
-                           NORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+                           NORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                           PDL: tl.constexpr):
+        wait_prior(PDL)
         t = tl.program_id(0).to(tl.int64)
         if SHARED:  # the shared expert's gate logit x[t] . w, rounded to x's dtype as F.linear's is
             z = tl.zeros([BLOCK_H], tl.float32)
@@ -82,7 +85,8 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_gemv_kernel(X, WG, WU, IDX, SG, SU, OUT, P, N, NS, K, stride_we, stride_wn, stride_sn,
-                            TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        wait_prior(PDL)
         p = tl.program_id(0)
         nb = tl.program_id(1)
         # rows p < P: routed pair p (expert idx[p], token p // TOP_K) into OUT[:P*N] as [P, N]; rows
@@ -126,9 +130,10 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _combine_sorted_kernel(Y, POS, TW, OUT, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _combine_sorted_kernel(Y, POS, TW, OUT, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
         """Token t's output columns: its top-k expert rows, found in the expert-sorted Y at POS,
         weighted by TW and summed in fp32 (k in order)."""
+        wait_prior(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = cols < N
@@ -141,7 +146,8 @@ if triton is not None:
     @triton.jit
     def _down_combine_kernel(H, W, IDX, TW, HS, WS, SL, OUT, N, K, KS, stride_we, stride_wn, stride_ws,
                              TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, SHARED: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        wait_prior(PDL)
         t = tl.program_id(0)
         nb = tl.program_id(1)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -199,7 +205,7 @@ def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, x: torch.
         _route_topk_kernel[(T,)](logits.contiguous(), w, i, xs, shared_gate if shared else w, w if sl is None else sl,
                                  E, hid, TOP_K=top_k, K_P=triton.next_power_of_2(top_k), NORM=norm_topk_prob,
                                  SHARED=shared, BLOCK_E=triton.next_power_of_2(E),
-                                 BLOCK_H=min(1024, triton.next_power_of_2(hid)))
+                                 BLOCK_H=min(1024, triton.next_power_of_2(hid)), **pdl(logits.device))
     return Routing(w, i, sl)
 
 
@@ -266,7 +272,7 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch
         cfg = {"BLOCK_N": tile[0], "BLOCK_K": tile[1], "num_warps": 8, **launch}
         _swiglu_gemv_kernel[(P + Ts, triton.cdiv(max(N, Ns), cfg["BLOCK_N"]))](
             x.contiguous(), w_gate, w_up, idx.contiguous(), sg, su, buf, P, N, Ns, K,
-            w_gate.stride(0), w_gate.stride(1), sg.stride(-2), TOP_K=top_k, **cfg)
+            w_gate.stride(0), w_gate.stride(1), sg.stride(-2), TOP_K=top_k, **cfg, **pdl(x.device))
     return buf[:P * N].view(P, N), None if shared is None else buf[P * N:].view(T, Ns)
 
 
@@ -300,7 +306,7 @@ def down_combine(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, top_w: 
         _down_combine_kernel[(T, triton.cdiv(N, cfg["BLOCK_N"]))](
             h.contiguous(), down, idx.contiguous(), top_w.float().contiguous(), hs, ws, sl, out,
             N, K, hs.shape[-1], down.stride(0), down.stride(1), ws.stride(0), TOP_K=top_k,
-            TOP_K_P=triton.next_power_of_2(top_k), SHARED=shared is not None, **cfg)
+            TOP_K_P=triton.next_power_of_2(top_k), SHARED=shared is not None, **cfg, **pdl(h.device))
     return out
 
 
@@ -354,7 +360,7 @@ def combine_sorted(y_sorted: torch.Tensor, pos: torch.Tensor, top_w: torch.Tenso
     if T:
         _combine_sorted_kernel[(T, triton.cdiv(N, block_n))](y_sorted.contiguous(), pos.contiguous(),
                                                            top_w.float().contiguous(), out, N, TOP_K=top_k,
-                                                           BLOCK_N=block_n)
+                                                           BLOCK_N=block_n, **pdl(out.device))
     return out
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from wmtp.kernels.common import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -20,6 +22,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 if triton is not None:
+    from wmtp.kernels.common import wait_prior
 
     @triton.jit
     def _rms_row(x, W, OUT, cols, ok, D, eps, OFFSET: tl.constexpr):
@@ -34,7 +37,8 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(X, W, Z, RES, SUM_OUT, OUT, D, eps, z_n1, z_n2, z_s0, z_s1, z_s2, OFFSET: tl.constexpr,
-                         GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+                         GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        wait_prior(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
         ok = cols < D
@@ -52,7 +56,8 @@ if triton is not None:
 
     @triton.jit
     def _embed_norm_cat_kernel(IDS, E, HID, WE, WH, OUT, D, stride_ids, eps, OFFSET: tl.constexpr,
-                               BLOCK_D: tl.constexpr):
+                               BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        wait_prior(PDL)
         t = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)  # 0: the token's embedding row, 1: its hidden state
         cols = tl.arange(0, BLOCK_D)
@@ -80,9 +85,10 @@ if triton is not None:
     @triton.jit
     def _norm_rope_kernel(X, W, OUT, X2, W2, OUT2, COS, SIN, stride_xt, stride_xh, stride_x2t, stride_x2h, stride_ct,
                           H, H2, T, D, HALF, eps, NORM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_R: tl.constexpr):
+                          BLOCK_R: tl.constexpr, PDL: tl.constexpr):
         """Program (token, head) of X's T x H heads, then of X2's T x H2 (the second tensor of the
         launch: k after q, with its own strides and norm weight; H2 = 0 for one tensor)."""
+        wait_prior(PDL)
         pid = tl.program_id(0)
         second = pid >= T * H
         p = tl.where(second, pid - T * H, pid)
@@ -134,7 +140,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
         zn, zs = z.shape[1:3], z.stride()[:3]
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, z, x2, x2, out, D, eps, *zn, *zs, OFFSET=offset,
-                                         GATED=gate is not None, RESIDUAL=False, BLOCK_D=triton.next_power_of_2(D))
+                                         GATED=gate is not None, RESIDUAL=False, BLOCK_D=triton.next_power_of_2(D),
+                                         **pdl(x.device))
     return out.view(x.shape)
 
 
@@ -149,7 +156,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     out, summed = torch.empty_like(x2), torch.empty_like(x2)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, x2, r2, summed, out, D, eps, 1, 1, D, 0, 0, OFFSET=offset,
-                                         GATED=False, RESIDUAL=True, BLOCK_D=triton.next_power_of_2(D))
+                                         GATED=False, RESIDUAL=True, BLOCK_D=triton.next_power_of_2(D),
+                                         **pdl(x.device))
     return out.view(x.shape), summed.view(x.shape)
 
 
@@ -166,7 +174,7 @@ def embed_norm_cat(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor,
     out = torch.empty(T, 2 * D, device=hidden.device, dtype=hidden.dtype)
     if T:
         _embed_norm_cat_kernel[(T, 2)](ids, embed.contiguous(), hidden.contiguous(), w_e, w_h, out, D, ids.stride(0),
-                                       eps, OFFSET=offset, BLOCK_D=triton.next_power_of_2(D))
+                                       eps, OFFSET=offset, BLOCK_D=triton.next_power_of_2(D), **pdl(hidden.device))
     return out
 
 
@@ -213,5 +221,5 @@ def _norm_rope_launch(parts, cos: torch.Tensor, sin: torch.Tensor, eps: float, o
         _norm_rope_kernel[(T * (H + H2),)](
             x, x if w is None else w, out, x2, x2 if w2 is None else w2, out2, cos, sin, x.stride(0), x.stride(1),
             x2.stride(0), x2.stride(1), cos.stride(0), H, H2, T, D, rot // 2, eps, NORM=w is not None, OFFSET=offset,
-            BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(rot // 2))
+            BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(rot // 2), **pdl(x.device))
     return tuple(outs)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wmtp.kernels.common import pdl
 from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
 
 try:  # Triton is optional: the CPU path never needs it
@@ -81,6 +82,7 @@ class AttentionMeta:
 
 
 if triton is not None:
+    from wmtp.kernels.common import wait_prior
 
     @triton.jit
     def _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e, MASKED: tl.constexpr, IEEE: tl.constexpr):
@@ -123,7 +125,9 @@ if triton is not None:
         num_q_blocks, num_splits, scale_log2e, page_size, sink, window, ring_mod,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
         RING: tl.constexpr, CONTIG: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        wait_prior(PDL)
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -208,11 +212,12 @@ if triton is not None:
     @triton.jit
     def _merge_splits_kernel(OPart, MPart, LPart, Out, Gate, num_splits, rows, stride_ot, stride_oh, stride_gt,
                              stride_gh, H, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                             GATED: tl.constexpr):
+                             GATED: tl.constexpr, PDL: tl.constexpr):
         """One program per (token, head) row and block of head dims; splits are walked in blocks
         of BLOCK_S (two passes: the global max, then the rescaled sums). The host makes BLOCK_S
         cover every split when it can (one load round per pass: the loop is a chain of dependent
         loads) and narrows BLOCK_D to keep the [BLOCK_S, BLOCK_D] tile small."""
+        wait_prior(PDL)
         r = tl.program_id(0)
         db = tl.program_id(1)
         tok = r // H
@@ -244,8 +249,10 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _store_kv_kernel(K, V, KC, VC, SLOTS, stride_kt, stride_vt, stride_ct, N, BLOCK: tl.constexpr):
+    def _store_kv_kernel(K, V, KC, VC, SLOTS, stride_kt, stride_vt, stride_ct, N, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
         """Program (token, k or v): one token's [kv_heads * D] row into its cache slot."""
+        wait_prior(PDL)
         t = tl.program_id(0)
         which = tl.program_id(1)
         slot = tl.load(SLOTS + t).to(tl.int64)
@@ -275,7 +282,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError(f"store_kv: cache rows must be contiguous (strides {k_cache.stride()})")
     N = k.shape[1] * k.shape[2]
     _store_kv_kernel[(T, 2)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), k_cache.stride(0), N,
-                             BLOCK=min(1024, triton.next_power_of_2(N)))
+                             BLOCK=min(1024, triton.next_power_of_2(N)), **pdl(k.device))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -374,7 +381,7 @@ def paged_attention(
         T * H * D, H * D, D,
         num_q_blocks, num_splits, scale * 1.4426950408889634, meta.page_size, meta.sink, meta.window, meta.ring_mod,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, RING=meta.ring, CONTIG=contig, SPLIT=split,
-        IEEE=q.dtype == torch.float32, GATED=gate is not None,
+        IEEE=q.dtype == torch.float32, GATED=gate is not None, **pdl(q.device),
         num_warps=num_warps or 4,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
@@ -384,6 +391,6 @@ def paged_attention(
         _merge_splits_kernel[(T * H, D // block_d)](
             o_part, m_part, l_part, out, out if gate is None else gate, num_splits, T * H, out.stride(0),
             out.stride(1), *gate_strides, H,
-            D=D, BLOCK_D=block_d, BLOCK_S=block_s, GATED=gate is not None,
+            D=D, BLOCK_D=block_d, BLOCK_S=block_s, GATED=gate is not None, **pdl(q.device),
         )
     return out
