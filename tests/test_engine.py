@@ -250,25 +250,27 @@ def test_per_request_memory_bytes():
         pages = -(-(50 + 10 + 4) // 8)
         assert b["target_kv"] == pages * mem.target_page_bytes
         assert b["state_pool"] == mem.state_slot_bytes > 0
-        assert b["verify_states"] == mem.verify_seq_bytes > 0  # its sequence slot's verify record
+        assert b["verify_record"] == mem.verify_seq_bytes > 0  # its sequence slot's verify record
         assert b["draft_ring"] == (mode == "windowed" and ring) * (SINK + W + 4) * mem.draft_slot_bytes
         assert b["draft_pool"] == (not (mode == "windowed" and ring)) * pages * 8 * mem.draft_slot_bytes
         assert all(v <= mem.bytes_report()[k] for k, v in b.items())
     assert got[("windowed", True)]["draft_ring"] < got[("native", True)]["draft_pool"]
 
 
-def test_verify_states_are_preallocated_and_budgeted():
-    """The per-token GDN states and conv windows a verify records live in the engine's preallocated
+def test_verify_record_is_preallocated_and_budgeted():
+    """The per-token GDN inputs and conv windows a verify records live in the engine's preallocated
     record (counted in the KV budget), not in tensors the forward allocates, and the rollback reads
     them there."""
     llm = _llm("tiny-qwen3-next", "native", d=4)
     eng, mem = llm.engine, llm.engine.memory
     c, seqs = eng.model.config, eng.eng.max_num_seqs
-    per_layer = 4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4 + (
-        c.linear_conv_kernel_dim - 1 + 4) * c.gdn_conv_dim * mem.elt
-    assert mem.bytes_report()["verify_states"] == seqs * len(c.linear_attention_layers) * per_layer
+    # per token: k per k-head, v per v-head, g and beta per v-head (fp32)
+    width = c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * (c.linear_value_head_dim + 2)
+    per_layer = 4 * width * 4 + (c.linear_conv_kernel_dim - 1 + 4) * c.gdn_conv_dim * mem.elt
+    assert mem.bytes_report()["verify_record"] == seqs * len(c.linear_attention_layers) * per_layer
     layers, pools = eng.model.gdn_layers(), eng.model.gdn_pools
-    assert pools.verify_states.shape[:2] == (len(layers), seqs * 4) and pools.verify_windows.shape[:2] == (len(layers), seqs)
+    assert pools.verify_tokens.shape == (len(layers), seqs * 4, width)
+    assert pools.verify_windows.shape[:2] == (len(layers), seqs)
     seen = []
     real = eng.model.rollback_states
 
@@ -282,7 +284,7 @@ def test_verify_states_are_preallocated_and_budgeted():
     llm.generate([prompt], params)
     assert seen and all(seen)
     dense = MemoryManager(eng.model.config, SpecConfig(mode="dense"), eng.eng, eng.dtype)
-    assert dense.verify_seq_bytes == 0 and dense.bytes_report()["verify_states"] == 0
+    assert dense.verify_seq_bytes == 0 and dense.bytes_report()["verify_record"] == 0
 
 
 def test_ever_read_runs_match_the_rule():

@@ -1,5 +1,6 @@
 """The Triton recurrent gated delta rule (decode / verify) against its twin, TorchBackend.gated_delta_net:
-outputs, the states left in the pool slots, and the per-token states recorded for rollback."""
+outputs, the states left in the pool slots, the per-token inputs a verify records, and the rollback
+that replays them."""
 
 from __future__ import annotations
 
@@ -58,11 +59,13 @@ def test_recurrent_kernel_matches_reference(q_lens, record):
     assert (got - want).abs().max().item() < 1e-5
     assert (t["ssm_state"] - ref["ssm_state"]).abs().max().item() < 1e-5  # untouched slots too
     assert torch.equal(t["conv_state"], ref["conv_state"])
-    if record:
-        (w_got, s_got), (w_ref, s_ref) = c_tri.recorded[0], c_ref.recorded[0]
-        assert w_got.shape == w_ref.shape and s_got.shape == s_ref.shape == (len(q_lens), q_lens[0], 4, 16, 24)
+    if record:  # a verify leaves the states alone and records each token's inputs
+        start = _inputs(q_lens)[0]
+        assert torch.equal(t["ssm_state"], start["ssm_state"]) and torch.equal(t["conv_state"], start["conv_state"])
+        (w_got, r_got), (w_ref, r_ref) = c_tri.recorded[0], c_ref.recorded[0]
+        assert w_got.shape == w_ref.shape and r_got.shape == r_ref.shape == (sum(q_lens), 2 * 16 + 4 * (24 + 2))
         assert torch.equal(w_got, w_ref)
-        assert (s_got - s_ref).abs().max().item() < 1e-5
+        assert (r_got - r_ref).abs().max().item() < 1e-5
 
 
 def test_record_needs_equal_lengths():
@@ -104,7 +107,7 @@ def test_gdn_decode_matches_reference(record, block_v, dtype):
     recording), Dv not a multiple of block_v, a + dt_bias past softplus' threshold. Checks o, the
     ssm and conv states left in the slots (others untouched), and the recorded windows and states."""
     from wmtp.kernels.gdn import gdn_decode
-    from wmtp.kernels.torch_gdn import causal_conv1d
+    from wmtp.kernels.torch_gdn import causal_conv1d, gdn_gates, verify_record
 
     gen = torch.Generator().manual_seed(block_v + record)
     q_lens = [3, 3, 3] if record else [5, 1, 3]
@@ -121,6 +124,7 @@ def test_gdn_decode_matches_reference(record, block_v, dtype):
     old_conv = conv_state.clone()
     offs = [sum(q_lens[:i]) for i in range(len(q_lens))]
     i32 = dict(device=DEVICE, dtype=torch.int32)
+    old_state = state.clone()
     o, win, rec = gdn_decode(x, t["conv_weight"], conv_state, t["a"], t["b"], t["A_log"], t["dt_bias"], state,
                              torch.tensor(slots, device=DEVICE), torch.tensor(offs, **i32), torch.tensor(q_lens, **i32),
                              q_lens[0] if record else None, block_v=block_v)
@@ -136,12 +140,19 @@ def test_gdn_decode_matches_reference(record, block_v, dtype):
                                             t["b"][rows], t["A_log"], t["dt_bias"], want_state[slot])
         want_state[slot] = s_ref[-1]
         assert (o[rows].float() - o_ref.float()).abs().max().item() < tol
-        if record:
-            assert (rec[rows] - s_ref).abs().max().item() < state_tol
+        if record:  # k (normalised, per k-head), v, g, beta as the delta rule used them
+            want_rec = verify_record(q.view(n, hk, dk).repeat_interleave(hv // hk, 1),
+                                     k.view(n, hk, dk).repeat_interleave(hv // hk, 1), v.view(n, hv, dv),
+                                     *gdn_gates(t["a"][rows].flatten(1), t["b"][rows].flatten(1), t["A_log"],
+                                                t["dt_bias"]), hk)
+            assert (rec[rows] - want_rec.float()).abs().max().item() < state_tol
             assert torch.equal(win[b, :3], old_conv[slot].T)  # the old context (oldest first), then the inputs
             assert torch.equal(win[b, 3:], x[rows])
-    assert (state - want_state).abs().max().item() < state_tol
-    assert torch.equal(conv_state, want_conv)
+    if record:  # the slots keep the states from before the verify
+        assert torch.equal(state, old_state) and torch.equal(conv_state, old_conv)
+    else:
+        assert (state - want_state).abs().max().item() < state_tol
+        assert torch.equal(conv_state, want_conv)
 
 
 def test_gdn_decode_rejects_bad_input():
@@ -258,26 +269,79 @@ def test_gates_kernel_matches_reference(layout):
         gdn_gates(a, b, A_log[:-1], dt_bias)
 
 
-@pytest.mark.parametrize("dtype,dv", [(torch.float32, 8), (torch.bfloat16, 64)])
+@pytest.mark.parametrize("dtype,dv", [(torch.float32, 8), (torch.bfloat16, 40)])
 def test_rollback_kernel_matches_reference(dtype, dv):
-    """The one-launch rollback (recorded state after each request's accepted token straight into
-    its slot, conv windows too, every layer) against the reference gather / scatter; other slots
-    untouched. dv 64 spans two state blocks per request."""
+    """The one-launch rollback (each request's state replayed from its slot through its accepted
+    tokens' recorded inputs, conv windows copied, every layer) against the reference; other slots
+    untouched. dv 40 spans three value blocks (the last partial), GVA (HV = 2 HK)."""
     from wmtp.kernels.gdn import rollback_states
+    from wmtp.kernels.torch_gdn import l2_normalize, record_width
     from wmtp.kernels.torch_gdn import rollback_states as reference
 
     g = torch.Generator().manual_seed(dv)
-    L, slots_n, B, n, HV, DK, C, km1 = 3, 6, 2, 4, 2, 32, 40, 3
+    L, slots_n, B, n, HK, HV, DK, C, km1 = 3, 6, 2, 4, 2, 4, 32, 40, 3
     conv = torch.randn(L, slots_n, C, km1, generator=g).to(DEVICE, dtype)
-    ssm = torch.randn(L, slots_n, HV, DK, dv, generator=g).to(DEVICE)
-    rec = torch.randn(L, B * n + 1, HV, DK, dv, generator=g).to(DEVICE)  # one spare row, as the pool's
+    ssm = (torch.randn(L, slots_n, HV, DK, dv, generator=g) * 0.1).to(DEVICE)
+    rows = B * n + 1  # one spare row, as the pool's
+    k = l2_normalize(torch.randn(L, rows, HK, DK, generator=g)).flatten(2)
+    v = torch.randn(L, rows, HV * dv, generator=g)
+    gate = -torch.rand(L, rows, HV, generator=g)  # log decays <= 0
+    beta = torch.rand(L, rows, HV, generator=g)
+    rec = torch.cat([k, v, gate, beta], dim=2).to(DEVICE)
+    assert rec.shape[2] == record_width(HK, DK, HV, dv)
     win = torch.randn(L, B + 1, km1 + n, C, generator=g).to(DEVICE, dtype)
     slots = torch.tensor([4, 1], device=DEVICE)
     accepted = torch.tensor([3, 0], device=DEVICE)
-    want_conv, want_ssm = conv.clone(), ssm.clone()
+    before, want_conv, want_ssm = ssm.clone(), conv.clone(), ssm.clone()
     reference(want_conv, want_ssm, rec, win, slots, accepted, n)
     rollback_states(conv, ssm, rec, win, slots, accepted, n)
-    assert torch.equal(ssm, want_ssm) and torch.equal(conv, want_conv)
-    assert torch.equal(ssm[:, 4], rec[:, 3]) and torch.equal(ssm[:, 1], rec[:, n])  # rows b * n + a
+    assert torch.equal(conv, want_conv)
+    assert (ssm - want_ssm).abs().max().item() < 1e-5
+    others = [0, 2, 3, 5]
+    assert torch.equal(ssm[:, others], before[:, others])
+    assert all((ssm[:, s] - before[:, s]).abs().max() > 1e-3 for s in (4, 1))  # both replayed (1 and 4 tokens)
     with pytest.raises(ValueError, match="rollback_states: conv"):
         rollback_states(conv, ssm, rec[:, :B * n - 1], win, slots, accepted, n)
+    with pytest.raises(ValueError, match="record_width"):
+        rollback_states(conv, ssm, rec[..., 1:], win, slots, accepted, n)
+
+
+@pytest.mark.parametrize("accepted", [[0, 6], [3, 2], [6, 6]])
+def test_rollback_replays_the_verify_exactly(accepted):
+    """A verify of 7 tokens (recording) rolled back to ``accepted`` leaves, bit for bit, the states
+    that decoding the accepted tokens one at a time leaves (the replay runs the verify's steps at
+    its tile), for every layer and request."""
+    from wmtp.kernels.gdn import gdn_decode, rollback_states
+    from wmtp.kernels.torch_gdn import record_width
+
+    n, B, slots = 7, 2, [3, 0]
+    hk, hv, dk, dv = 2, 4, 16, 24
+    L = 2
+    gen = torch.Generator().manual_seed(sum(accepted))
+    C = 2 * hk * dk + hv * dv
+    conv0 = torch.randn(L, 5, C, 3, generator=gen).to(DEVICE)
+    ssm0 = (torch.randn(L, 5, hv, dk, dv, generator=gen) * 0.1).to(DEVICE)
+    layers = [{"x": torch.randn(B * n, C, generator=gen).to(DEVICE), **_split_ba(_gate_inputs(B * n, hk, hv, gen)),
+               "conv_weight": (torch.randn(C, 4, generator=gen) * 0.5).to(DEVICE)} for _ in range(L)]
+    for lay in layers:
+        for key in ("a", "b", "A_log", "dt_bias"):
+            lay[key] = lay[key].to(DEVICE)
+    i32 = dict(device=DEVICE, dtype=torch.int32)
+    slot_t = torch.tensor(slots, device=DEVICE)
+    conv, ssm = conv0.clone(), ssm0.clone()
+    tokens = torch.empty(L, B * n, record_width(hk, dk, hv, dv), device=DEVICE)
+    windows = torch.empty(L, B, 3 + n, C, device=DEVICE)
+    for l, lay in enumerate(layers):
+        gdn_decode(lay["x"], lay["conv_weight"], conv[l], lay["a"], lay["b"], lay["A_log"], lay["dt_bias"], ssm[l],
+                   slot_t, torch.tensor([0, n], **i32), torch.tensor([n, n], **i32), n, (tokens[l], windows[l]))
+    rollback_states(conv, ssm, tokens, windows, slot_t, torch.tensor(accepted, device=DEVICE), n)
+    want_conv, want_ssm = conv0.clone(), ssm0.clone()
+    for l, lay in enumerate(layers):
+        for b, a in enumerate(accepted):
+            for t in range(a + 1):  # one token per launch, as a dense decode runs
+                r = slice(b * n + t, b * n + t + 1)
+                gdn_decode(lay["x"][r], lay["conv_weight"], want_conv[l], lay["a"][r], lay["b"][r], lay["A_log"],
+                           lay["dt_bias"], want_ssm[l], slot_t[b : b + 1], torch.tensor([0], **i32),
+                           torch.tensor([1], **i32))
+    assert torch.equal(ssm, want_ssm)
+    assert torch.equal(conv, want_conv)

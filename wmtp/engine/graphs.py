@@ -9,9 +9,9 @@ round trip between them:
   MTP output, writes draft slot L−2+i and proposes d_{i+1}; writes ``drafts`` [B, γ].
 - ``verify``: the target forward over [x_{L−1}, d_1..d_γ] per request (the drafts are copied into
   its ids on the device) and the target's argmax [B, d]; the GDN layers record their per-token
-  states.
+  inputs and leave the states as they were.
 - ``accept``: greedy acceptance on the device (or the forced count), then the GDN states of each
-  request back to its accepted prefix (hybrid targets).
+  request replayed through its accepted prefix (hybrid targets).
 - ``extend``: the draft-extend over slots L−1..L−1+a with the target's true hidden states and the
   tokens [d_1..d_a, bonus], padded to d rows per request (padding rows write the pool's trash slot
   and are never read), which gives the next d_1 and MTP output; then L += a + 1 and x_{L−1} =

@@ -25,6 +25,7 @@ import torch
 from wmtp.config import ModelConfig
 from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.errors import WmtpError
+from wmtp.kernels.torch_gdn import record_width
 
 
 class CapacityError(WmtpError):
@@ -75,7 +76,7 @@ class GdnPools:
 
     conv: torch.Tensor  # [L, slots + 1, C, K-1]
     ssm: torch.Tensor  # [L, slots + 1, HV, Dk, Dv] fp32
-    verify_states: torch.Tensor | None  # [L, seqs * d, HV, Dk, Dv] fp32
+    verify_tokens: torch.Tensor | None  # [L, seqs * d, torch_gdn.record_width] fp32
     verify_windows: torch.Tensor | None  # [L, seqs, K-1+d, C]
 
 
@@ -130,14 +131,16 @@ class MemoryManager:
 
     @property
     def verify_seq_bytes(self) -> int:
-        """Bytes one sequence slot's verify record takes over all GDN layers: d fp32 SSM states and
-        K-1+d conv-window rows (0 where nothing is recorded: dense or non-hybrid)."""
+        """Bytes one sequence slot's verify record takes over all GDN layers: d tokens' fp32 delta-rule
+        inputs (``torch_gdn.record_width``) and K-1+d conv-window rows (0 where nothing is recorded:
+        dense or non-hybrid)."""
         c, d = self.cfg, self.spec.verify_tokens
         if not (c.is_hybrid and self.spec.speculative):
             return 0
-        ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        tokens = record_width(c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads,
+                              c.linear_value_head_dim) * 4
         window = (c.linear_conv_kernel_dim - 1 + d) * c.gdn_conv_dim * self.elt
-        return len(c.linear_attention_layers) * (d * ssm + window)
+        return len(c.linear_attention_layers) * (d * tokens + window)
 
     def _plan(self) -> PoolSizes:
         e, s = self.eng, self.spec
@@ -169,7 +172,7 @@ class MemoryManager:
             "draft_pool": z.num_draft_pages * self.eng.page_size * self.draft_slot_bytes,
             "draft_ring": z.num_rings * self.spec.ring_size * self.draft_slot_bytes,
             "state_pool": z.num_state_slots * self.state_slot_bytes,
-            "verify_states": z.num_verify_seqs * self.verify_seq_bytes,
+            "verify_record": z.num_verify_seqs * self.verify_seq_bytes,
         }
 
     def allocation_bytes(self, alloc: Allocation) -> dict[str, int]:
@@ -179,7 +182,7 @@ class MemoryManager:
             "draft_pool": len(alloc.draft_pages) * self.eng.page_size * self.draft_slot_bytes,
             "draft_ring": (alloc.ring is not None) * self.spec.ring_size * self.draft_slot_bytes,
             "state_pool": (alloc.state_slot is not None) * self.state_slot_bytes,
-            "verify_states": self.verify_seq_bytes,  # its sequence slot's record
+            "verify_record": self.verify_seq_bytes,  # its sequence slot's record
         }
 
     # ---- tensors -----------------------------------------------------------------------------
@@ -211,7 +214,9 @@ class MemoryManager:
             seqs, d = self.sizes.num_verify_seqs, self.spec.verify_tokens
             rec = win = None
             if seqs:
-                rec = torch.empty(len(gdn), seqs * d, *ssm.shape[2:], device=device, dtype=torch.float32)
+                width = record_width(c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads,
+                                     c.linear_value_head_dim)
+                rec = torch.empty(len(gdn), seqs * d, width, device=device, dtype=torch.float32)
                 win = torch.empty(len(gdn), seqs, c.linear_conv_kernel_dim - 1 + d, c.gdn_conv_dim, device=device,
                                   dtype=self.dtype)
             for i, layer in enumerate(gdn):

@@ -7,19 +7,21 @@ request's tokens run through the delta rule (same math as ``torch_gdn.gated_delt
 q, k L2-normalised in-kernel, q scaled by Dk**-0.5); then it writes the state and the conv context
 back to the pool slot. The gates g, beta are computed in-kernel from the raw ``a``, ``b``
 projections (``torch_gdn.gdn_gates``' math). So a GDN layer's decode costs one launch, not three.
-With ``record`` it also writes the state after every token and the conv window, which is what the
-engine rolls back to after a partially accepted verify. All requests of a forward run in one
+With ``record`` (a verify) it leaves the slots' states as they were and records each token's
+delta-rule inputs and the conv window instead; after acceptance ``rollback_states`` replays the
+accepted tokens from the slot's state, all layers in one launch. Recording the state after every
+token instead wrote 2 MiB per token and layer (14.7 MB per verify layer at d = 7 on the 35B shape,
+0.44 GB of verify record per request) where the inputs are 25 KB. All requests of a forward run in one
 launch; nothing syncs with the host. The twin is ``TorchBackend.gated_delta_net``.
 """
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from wmtp.kernels.common import arrival_counters, pdl
-from wmtp.kernels.torch_gdn import L2NORM_EPS
+from wmtp.kernels.torch_gdn import L2NORM_EPS, record_width
 
 try:
     import triton
@@ -29,6 +31,9 @@ except ImportError:  # pragma: no cover
 
 # Longer pieces (prefill chunks) go to the chunked reference / fla path.
 MAX_RECURRENT_TOKENS = 16
+# gdn_decode's tile (value dims per program) and warps, fastest on the H200 (tuning/tune_gdn_s9.json);
+# the rollback's replay takes the same so its reductions, and so its states, are the verify's.
+DECODE_BLOCK_V, DECODE_WARPS = 16, 1
 
 if triton is not None:
     from wmtp.kernels.common import last_to_arrive, wait_prior
@@ -42,6 +47,16 @@ if triton is not None:
         g = -tl.exp(a_log.to(tl.float32)) * softplus
         beta = 1.0 / (1.0 + tl.exp(-b.to(tl.float32)))
         return g, beta.to(b.dtype)
+
+    @triton.jit
+    def _delta_rule_step(S, k, v, g, beta):
+        """One token of the gated delta rule on this program's [Dk, BLOCK_V] state slice (fp32):
+        ``torch_gdn.delta_rule_step``. The verify and the rollback's replay both run it, at the same
+        tile and warps, so the replayed state is the verify's bit for bit."""
+        S = S * tl.exp(g)
+        pred = tl.sum(k[:, None] * S, 0)  # what the state already predicts for k
+        delta = (v - pred) * beta
+        return S + k[:, None] * delta[None, :]
 
     @triton.jit
     def _token_inputs(X, A, B, row, live, cq, ck, cv, v_ok, h, R, stride_xt, stride_at, stride_ag, stride_bt, stride_bg):
@@ -86,7 +101,7 @@ if triton is not None:
     @triton.jit
     def _gdn_decode_kernel(X, CW, CONV, A, B, A_LOG, DT_BIAS, STATE, SLOTS, TOK_OFF, Q_LEN, O, REC, WIN, COUNT,
                            HK, HV, R, C, stride_xt, stride_cs, stride_at, stride_ag, stride_bt, stride_bg, stride_ss,
-                           stride_sh, win_rows, scale, eps, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                           stride_sh, win_rows, rec_w, scale, eps, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                            BLOCK_V: tl.constexpr, RECORD: tl.constexpr, PDL: tl.constexpr):
         wait_prior(PDL)
         b = tl.program_id(0)
@@ -146,22 +161,24 @@ if triton is not None:
             g, beta = _gate_values(a, bt, a_log, dt_bias)
             q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * scale
             k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
-            S = S * tl.exp(g)
-            pred = tl.sum(k[:, None] * S, 0)  # what the state already predicts for k
-            delta = (v - pred) * beta.to(tl.float32)
-            S = S + k[:, None] * delta[None, :]
+            beta = beta.to(tl.float32)
+            if RECORD:  # the replay's inputs (torch_gdn.record_width): k by the k-head's first program
+                rec = REC + row.to(tl.int64) * rec_w
+                tl.store(rec + hk * DK + ks, k, mask=first)
+                tl.store(rec + HK * DK + h * DV + vs, v, mask=v_ok)
+                tl.store(rec + HK * DK + HV * DV + h, g, mask=vb == 0)
+                tl.store(rec + HK * DK + HV * DV + HV + h, beta, mask=vb == 0)
+            S = _delta_rule_step(S, k, v, g, beta)
             o = tl.sum(q[:, None] * S, 0)
             tl.store(O + row * (HV * DV) + h * DV + vs, o.to(O.dtype.element_ty), mask=v_ok)
-            if RECORD:
-                r_ptr = REC + row.to(tl.int64) * (HV * DK * DV) + h * (DK * DV) + ks[:, None] * DV + vs[None, :]
-                tl.store(r_ptr, S, mask=v_ok[None, :])
-        tl.store(s_ptr, S.to(STATE.dtype.element_ty), mask=v_ok[None, :])
-        # the new conv context: v channels by their only program; q / k channels, which the k-head's
-        # GROUP x (DV / BLOCK_V) programs all read at their start, by the last of them to get here
-        _store_context(conv, cv, v_ok, v3, v2, v1)
-        if last_to_arrive(COUNT, b * HK + hk, GROUP * tl.num_programs(2)):
-            _store_context(conv, cq, cq >= 0, q3, q2, q1)
-            _store_context(conv, ck, ck >= 0, k3, k2, k1)
+        if not RECORD:
+            tl.store(s_ptr, S.to(STATE.dtype.element_ty), mask=v_ok[None, :])
+            # the new conv context: v channels by their only program; q / k channels, which the k-head's
+            # GROUP x (DV / BLOCK_V) programs all read at their start, by the last of them to get here
+            _store_context(conv, cv, v_ok, v3, v2, v1)
+            if last_to_arrive(COUNT, b * HK + hk, GROUP * tl.num_programs(2)):
+                _store_context(conv, cq, cq >= 0, q3, q2, q1)
+                _store_context(conv, ck, ck >= 0, k3, k2, k1)
 
     @triton.jit
     def _conv_input(X, CONV, src, cs, ok, stride_xt):
@@ -202,31 +219,46 @@ if triton is not None:
         tl.store(BETA_OUT + t * HV + hs, beta.to(BETA_OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rollback_kernel(CONV, SSM, REC, WIN, SLOTS, ACC, B, n, N, C, win_rows, stride_cl, stride_cs, stride_sl,
-                         stride_ss, stride_rl, stride_wl, SSM_BLOCKS, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
-                         KM1: tl.constexpr, PDL: tl.constexpr):
-        """Program (layer * B + b, j): block j of request b's recorded state after its accepted token
-        -> its ssm slot; programs past the ssm blocks copy the conv window rows."""
+    def _rollback_kernel(CONV, SSM, REC, WIN, SLOTS, ACC, B, n, C, HK, HV, win_rows, rec_w, stride_cl, stride_cs,
+                         stride_sl, stride_ss, stride_rl, stride_wl, V_BLOCKS, GROUP: tl.constexpr, DK: tl.constexpr,
+                         DV: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr, KM1: tl.constexpr,
+                         PDL: tl.constexpr):
+        """Program (layer * B + b, j): for j < HV * V_BLOCKS, v-head j // V_BLOCKS's block of value
+        dims of request b's state, replayed from its slot through the recorded tokens 0..accepted[b]
+        (the verify's own steps, so its states bit for bit); programs past those copy the conv
+        window rows that end at the accepted token."""
         wait_prior(PDL)
         lb = tl.program_id(0)
         j = tl.program_id(1)
         l = (lb // B).to(tl.int64)
         b = lb % B
         slot = tl.load(SLOTS + b).to(tl.int64)
-        a = tl.load(ACC + b).to(tl.int64)
-        if j < SSM_BLOCKS:  # (branch-local names: Triton types each name once across both branches)
-            offs = j * BLOCK + tl.arange(0, BLOCK)
-            s_ok = offs < N
-            s = tl.load(REC + l * stride_rl + (b * n + a) * N + offs, mask=s_ok)
-            tl.store(SSM + l * stride_sl + slot * stride_ss + offs, s, mask=s_ok)
+        a = tl.load(ACC + b).to(tl.int32)
+        if j < HV * V_BLOCKS:  # (branch-local names: Triton types each name once across both branches)
+            h = j // V_BLOCKS
+            ks = tl.arange(0, DK)
+            vs = (j % V_BLOCKS) * BLOCK_V + tl.arange(0, BLOCK_V)
+            v_ok = vs < DV
+            s_ptr = SSM + l * stride_sl + slot * stride_ss + h * (DK * DV) + ks[:, None] * DV + vs[None, :]
+            S = tl.load(s_ptr, mask=v_ok[None, :], other=0.0).to(tl.float32)
+            rec = REC + l * stride_rl + (b * n).to(tl.int64) * rec_w
+            for t in range(0, a + 1):
+                k = tl.load(rec + (h // GROUP) * DK + ks)
+                v = tl.load(rec + HK * DK + h * DV + vs, mask=v_ok, other=0.0)
+                g = tl.load(rec + HK * DK + HV * DV + h)
+                beta = tl.load(rec + HK * DK + HV * DV + HV + h)
+                S = _delta_rule_step(S, k, v, g, beta)
+                rec += rec_w
+            tl.store(s_ptr, S.to(SSM.dtype.element_ty), mask=v_ok[None, :])
         else:
-            cs = (j - SSM_BLOCKS) * BLOCK_C + tl.arange(0, BLOCK_C)
+            cs = (j - HV * V_BLOCKS) * BLOCK_C + tl.arange(0, BLOCK_C)
             c_ok = cs < C
             src = WIN + l * stride_wl + (b * win_rows + a + 1) * C + cs
             dst = CONV + l * stride_cl + slot * stride_cs + cs * KM1
             for r in tl.static_range(KM1):
                 w = tl.load(src + r * C, mask=c_ok)
                 tl.store(dst + r, w.to(CONV.dtype.element_ty), mask=c_ok)
+
 
 def _check_gate_views(op: str, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
                       ) -> int:
@@ -259,7 +291,8 @@ def gdn_decode(
     x: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, tok_off: torch.Tensor,
     q_len: torch.Tensor, record_len: int | None = None,
-    record_into: tuple[torch.Tensor, torch.Tensor] | None = None, block_v: int = 16, num_warps: int = 1,
+    record_into: tuple[torch.Tensor, torch.Tensor] | None = None, block_v: int = DECODE_BLOCK_V,
+    num_warps: int = DECODE_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The GDN mixer of a decode / verify forward in one launch: the causal conv (kernel 4) + SiLU
     of the packed q | k | v projection rows ``x`` [T, C] (rows may be strided), then the gated delta
@@ -270,11 +303,11 @@ def gdn_decode(
     ``ssm_state[slots[b]]`` [HV, Dk, Dv] (fp32) in place. a, b [T, G, R] and A_log, dt_bias [HV]
     as ``gdn_gates`` takes them. v-head h reads k-head h // (HV / HK), HK = (C - HV Dv) / (2 Dk).
 
-    With ``record_len`` n (every request has n rows: a verify) it also records what the rollback
-    needs: each request's conv window [3 + n, C] (old context, then the inputs) and the fp32 state
-    after every token [T, HV, Dk, Dv], into ``record_into`` = (states, windows) when given (the
-    engine's preallocated verify record). Returns (o [T, HV, Dv], windows [B, 3 + n, C] or None,
-    states or None).
+    With ``record_len`` n (every request has n rows: a verify) the slots' states stay as they were
+    and it records what ``rollback_states`` replays: each request's conv window [3 + n, C] (old
+    context, then the inputs) and every token's delta-rule inputs [T, ``torch_gdn.record_width``]
+    (fp32), into ``record_into`` = (tokens, windows) when given (the engine's preallocated verify
+    record). Returns (o [T, HV, Dv], windows [B, 3 + n, C] or None, tokens or None).
 
     A program owns (request, v-head, ``block_v`` value dims) and convolves the channels it reads
     itself, so the conv costs no launch of its own. Twins: ``torch_gdn.causal_conv1d`` then
@@ -298,29 +331,31 @@ def gdn_decode(
                          f"tokens x {HV} v heads; block_v={block_v} must be a power of 2")
     B = slots.shape[0]
     o = torch.empty(T, HV, DV, device=x.device, dtype=x.dtype)
-    win = states = None
+    win = tokens = None
+    rec_w = record_width(HK, DK, HV, DV)
     if record_len is not None:
-        states, win = record_into if record_into is not None else (
-            torch.empty(T, HV, DK, DV, device=x.device, dtype=torch.float32),
+        tokens, win = record_into if record_into is not None else (
+            torch.empty(T, rec_w, device=x.device, dtype=torch.float32),
             torch.empty(B, 3 + record_len, C, device=x.device, dtype=conv_state.dtype))
-        if states.shape[0] < T or states.shape[1:] != (HV, DK, DV) or states.dtype != torch.float32:
-            raise ValueError(f"gdn_decode: record states {tuple(states.shape)} {states.dtype} cannot hold {T} fp32 "
-                             f"states of [{HV}, {DK}, {DV}]")
+        if tokens.dim() != 2 or tokens.shape[0] < T or tokens.shape[1] != rec_w or tokens.dtype != torch.float32 \
+                or not tokens.is_contiguous():
+            raise ValueError(f"gdn_decode: record tokens {tuple(tokens.shape)} {tokens.dtype} cannot hold {T} contiguous "
+                             f"fp32 rows of {rec_w} (torch_gdn.record_width)")
         if win.shape[0] < B or win.shape[1:] != (3 + record_len, C):
             raise ValueError(f"gdn_decode: record windows {tuple(win.shape)} cannot hold {B} windows of "
                              f"[{3 + record_len}, {C}]")
-        states, win = states[:T], win[:B]
+        tokens, win = tokens[:T], win[:B]
     block_v = min(block_v, triton.next_power_of_2(DV))
     if B:
         _gdn_decode_kernel[(B, HV, triton.cdiv(DV, block_v))](
             x, conv_weight.contiguous(), conv_state, a, b, A_log, dt_bias, ssm_state, slots, tok_off, q_len, o,
-            o if states is None else states, o if win is None else win, arrival_counters(x.device, B * HK),
+            o if tokens is None else tokens, o if win is None else win, arrival_counters(x.device, B * HK),
             HK, HV, R, C, x.stride(0), conv_state.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-            ssm_state.stride(0), ssm_state.stride(1), 3 + (record_len or 0), DK**-0.5, L2NORM_EPS,
+            ssm_state.stride(0), ssm_state.stride(1), 3 + (record_len or 0), rec_w, DK**-0.5, L2NORM_EPS,
             GROUP=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, RECORD=record_len is not None, num_warps=num_warps,
             **pdl(x.device),
         )
-    return o, win, states
+    return o, win, tokens
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
@@ -379,25 +414,32 @@ def gdn_chunked_fla(conv_out: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     return o[0]
 
 
-def rollback_states(conv: torch.Tensor, ssm: torch.Tensor, rec_states: torch.Tensor, rec_windows: torch.Tensor,
+def rollback_states(conv: torch.Tensor, ssm: torch.Tensor, rec_tokens: torch.Tensor, rec_windows: torch.Tensor,
                     slots: torch.Tensor, accepted: torch.Tensor, n: int) -> None:
-    """``torch_gdn.rollback_states`` (its twin) in one launch: each request's recorded state after
-    its accepted token is copied straight into its slot, every layer at once (the reference's
-    gather then scatter moves the bytes twice). Shapes as the twin's; all contiguous."""
+    """``torch_gdn.rollback_states`` (its twin) in one launch, every layer at once: each request's
+    state replayed from its slot through its accepted tokens' recorded inputs (at ``gdn_decode``'s
+    tile and warps, so bit for bit the verify's state), its conv context copied from the window.
+    Shapes as the twin's; all contiguous."""
     L, B = ssm.shape[0], slots.shape[0]
-    N, C, km1 = math.prod(ssm.shape[2:]), conv.shape[2], conv.shape[3]
-    shapes_ok = (rec_states.shape[0] == L and rec_states.shape[1] >= B * n and rec_states.shape[2:] == ssm.shape[2:]
-                 and rec_windows.shape[0] == L and rec_windows.shape[1] >= B and rec_windows.shape[2:] == (km1 + n, C)
-                 and conv.shape[0] == L and accepted.shape == slots.shape)
-    if not shapes_ok or not all(t.is_contiguous() for t in (conv, ssm, rec_states, rec_windows)):
-        raise ValueError(f"rollback_states: conv {tuple(conv.shape)}, ssm {tuple(ssm.shape)}, rec_states "
-                         f"{tuple(rec_states.shape)}, rec_windows {tuple(rec_windows.shape)}, slots {tuple(slots.shape)}, "
-                         f"accepted {tuple(accepted.shape)} disagree for {B} requests of {n} tokens (all contiguous)")
+    HV, DK, DV = ssm.shape[2:]
+    C, km1 = conv.shape[2], conv.shape[3]
+    rec_w = rec_tokens.shape[-1]
+    HK = (rec_w - HV * DV - 2 * HV) // DK if DK else 0
+    shapes_ok = (rec_tokens.dim() == 3 and rec_tokens.shape[0] == L and rec_tokens.shape[1] >= B * n
+                 and HK >= 1 and HV % HK == 0 and record_width(HK, DK, HV, DV) == rec_w
+                 and rec_tokens.dtype == torch.float32 and rec_windows.shape[0] == L and rec_windows.shape[1] >= B
+                 and rec_windows.shape[2:] == (km1 + n, C) and conv.shape[0] == L and accepted.shape == slots.shape)
+    if not shapes_ok or not all(t.is_contiguous() for t in (conv, ssm, rec_tokens, rec_windows)):
+        raise ValueError(f"rollback_states: conv {tuple(conv.shape)}, ssm {tuple(ssm.shape)}, rec_tokens "
+                         f"{tuple(rec_tokens.shape)} {rec_tokens.dtype}, rec_windows {tuple(rec_windows.shape)}, slots "
+                         f"{tuple(slots.shape)}, accepted {tuple(accepted.shape)} disagree for {B} requests of {n} "
+                         f"tokens (all contiguous; fp32 token rows of record_width)")
     if B == 0:
         return
-    block, block_c = 4096, 1024
-    ssm_blocks = triton.cdiv(N, block)
-    _rollback_kernel[(L * B, ssm_blocks + triton.cdiv(C, block_c))](
-        conv, ssm, rec_states, rec_windows, slots, accepted, B, n, N, C, km1 + n, conv.stride(0), conv.stride(1),
-        ssm.stride(0), ssm.stride(1), rec_states.stride(0), rec_windows.stride(0), ssm_blocks,
-        BLOCK=block, BLOCK_C=block_c, KM1=km1, **pdl(conv.device))
+    block_v, block_c = min(DECODE_BLOCK_V, triton.next_power_of_2(DV)), 1024
+    v_blocks = triton.cdiv(DV, block_v)
+    _rollback_kernel[(L * B, HV * v_blocks + triton.cdiv(C, block_c))](
+        conv, ssm, rec_tokens, rec_windows, slots, accepted, B, n, C, HK, HV, km1 + n, rec_w, conv.stride(0),
+        conv.stride(1), ssm.stride(0), ssm.stride(1), rec_tokens.stride(0), rec_windows.stride(0), v_blocks,
+        GROUP=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, BLOCK_C=block_c, KM1=km1, num_warps=DECODE_WARPS,
+        **pdl(conv.device))

@@ -35,6 +35,9 @@ __all__ = [
     "gated_rms_norm",
     "gdn_gates",
     "l2_normalize",
+    "record_width",
+    "rollback_states",
+    "verify_record",
 ]
 
 #: ``gated_delta_rule`` uses the token recurrence when T <= this (decode, short verify
@@ -133,6 +136,15 @@ def _initial_state(initial_state: Tensor | None, HV: int, Dk: int, Dv: int, like
     return initial_state.to(device=like.device, dtype=acc_dtype(like))
 
 
+def delta_rule_step(S: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor) -> Tensor:
+    """One token of the gated delta rule on S [HV, Dk, Dv]: k [HV, Dk] (L2-normalised), v [HV, Dv],
+    decay = exp(g) and beta [HV], all in S's dtype."""
+    S = S * decay[:, None, None]
+    pred = torch.einsum("hk,hkv->hv", k, S)  # what the state already predicts for k
+    delta = (v - pred) * beta[:, None]
+    return S + k[:, :, None] * delta[:, None, :]
+
+
 def gated_delta_rule_recurrent(
     q: Tensor,
     k: Tensor,
@@ -148,12 +160,8 @@ def gated_delta_rule_recurrent(
     decay = gf.exp()  # [HV, T]
     outs: list[Tensor] = []
     for t in range(T):
-        q_t, k_t, v_t = qf[:, t], kf[:, t], vf[:, t]  # [HV, D*]
-        S = S * decay[:, t, None, None]
-        pred = torch.einsum("hk,hkv->hv", k_t, S)  # what the state already predicts for k_t
-        delta = (v_t - pred) * bf[:, t, None]
-        S = S + k_t[:, :, None] * delta[:, None, :]
-        outs.append(torch.einsum("hk,hkv->hv", q_t, S))
+        S = delta_rule_step(S, kf[:, t], vf[:, t], decay[:, t], bf[:, t])
+        outs.append(torch.einsum("hk,hkv->hv", qf[:, t], S))
     out = torch.stack(outs, dim=0) if outs else vf.new_empty(0, HV, Dv)  # [T, HV, Dv]
     return out.to(q.dtype), S
 
@@ -311,16 +319,43 @@ def gdn_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Ten
     return g, beta
 
 
-def rollback_states(conv: Tensor, ssm: Tensor, rec_states: Tensor, rec_windows: Tensor, slots: Tensor,
+def record_width(hk: int, dk: int, hv: int, dv: int) -> int:
+    """Values one verify token records per GDN layer (the rollback's replay input): k after the
+    conv, SiLU and L2 norm, per k-head [HK * Dk] | v after the conv and SiLU [HV * Dv] | g [HV] |
+    beta [HV], all as the delta rule used them (fp32). 25 KB on the 35B shape, where the state the
+    rollback rebuilds from them is 2 MiB."""
+    return hk * dk + hv * dv + 2 * hv
+
+
+def verify_record(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, hk: int) -> Tensor:
+    """One request's verify record [T, ``record_width``] from the delta rule's inputs (q, k [T, HV,
+    Dk] repeated from ``hk`` k-heads, v [T, HV, Dv], g, beta [T, HV]), in the accumulation dtype:
+    the values ``gated_delta_rule_recurrent`` computes with."""
+    _, kf, vf, gf, bf = _prepare(q, k, v, g, beta)  # [HV, T, ...]
+    T, HV = g.shape
+    k_heads = kf[:: HV // hk].transpose(0, 1).reshape(T, -1)  # the repeat's first copy of each k-head
+    return torch.cat([k_heads, vf.transpose(0, 1).reshape(T, -1), gf.transpose(0, 1), bf.transpose(0, 1)], dim=1)
+
+
+def rollback_states(conv: Tensor, ssm: Tensor, rec_tokens: Tensor, rec_windows: Tensor, slots: Tensor,
                     accepted: Tensor, n: int) -> None:
-    """After a verify of n tokens per request that recorded every layer's per-token states: set
-    each request's states back to those after its verify token ``accepted[b]``, every layer at
-    once. conv [L, slots, C, K-1], ssm [L, slots, HV, Dk, Dv], rec_states [L, >= B*n, HV, Dk, Dv]
-    (request b's token t at row b*n + t), rec_windows [L, >= B, K-1+n, C] (the old context then
-    the inputs); slots, accepted [B] device tensors."""
-    B = slots.shape[0]
-    rows = torch.arange(B, device=accepted.device) * n + accepted
-    ssm[:, slots] = rec_states[:, rows].to(ssm.dtype)
+    """After a verify of n tokens per request, which left the states in the slots as they were
+    before it and recorded each token's delta-rule inputs: set each request's states to those after
+    its verify token ``accepted[b]``, every layer, by replaying tokens 0..accepted[b] from the slot's
+    state (no host sync: later tokens are masked). conv [L, slots, C, K-1], ssm [L, slots, HV, Dk,
+    Dv], rec_tokens [L, >= B*n, record_width] (request b's token t at row b*n + t), rec_windows
+    [L, >= B, K-1+n, C] (the old context then the inputs); slots, accepted [B] device tensors."""
+    L, B = ssm.shape[0], slots.shape[0]
+    HV, DK, DV = ssm.shape[2:]
+    HK = (rec_tokens.shape[-1] - HV * DV - 2 * HV) // DK
+    for l in range(L):
+        for b in range(B):
+            S = ssm[l, slots[b]].to(rec_tokens.dtype)
+            for t in range(n):
+                k, v, g, beta = rec_tokens[l, b * n + t].split([HK * DK, HV * DV, HV, HV])
+                k = k.view(HK, DK).repeat_interleave(HV // HK, dim=0)
+                S = torch.where(t <= accepted[b], delta_rule_step(S, k, v.view(HV, DV), g.exp(), beta), S)
+            ssm[l, slots[b]] = S.to(ssm.dtype)
     # conv state after token a = the K-1 inputs ending at window row a + K-1
     k1 = conv.shape[-1]
     idx = (accepted[:, None] + 1 + torch.arange(k1, device=accepted.device))[None, :, :, None]

@@ -118,19 +118,22 @@ class Backend(ABC):
         (b's dtype) as ``torch_gdn.gdn_gates``; conv_state: [slots, conv_dim, K-1]; ssm_state:
         [slots, HV, Dk, Dv] fp32; dims = (HK, HV, Dk, Dv, K).
         Updates the states of ``ctx.state_slots`` in place. Returns [T, HV, Dv]. With
-        ``ctx.record_states`` (every request has n tokens) ``ctx.recorded[layer_idx]`` gets the
-        conv windows [B, K-1+n, C] and per-token states [B, n, HV, Dk, Dv], written into
-        ``record_into`` = (states [>= B*n, ...], windows [>= B, ...]) when given (the engine's
-        preallocated verify record), else into new tensors.
+        ``ctx.record_states`` (a verify: every request has n tokens) the states are left as they
+        were and ``ctx.recorded[layer_idx]`` gets the conv windows [B, K-1+n, C] and each token's
+        delta-rule inputs [B*n, ``torch_gdn.record_width``] (fp32), from which ``gdn_rollback``
+        rebuilds the state after the accepted token; written into ``record_into`` = (tokens
+        [>= B*n, ...], windows [>= B, ...]) when given (the engine's preallocated verify record),
+        else into new tensors.
         """
 
-    def gdn_rollback(self, conv: torch.Tensor, ssm: torch.Tensor, rec_states: torch.Tensor, rec_windows: torch.Tensor,
+    def gdn_rollback(self, conv: torch.Tensor, ssm: torch.Tensor, rec_tokens: torch.Tensor, rec_windows: torch.Tensor,
                      slots: torch.Tensor, accepted: torch.Tensor, n: int) -> None:
-        """Every GDN layer's states of ``slots`` back to those after verify token ``accepted[b]``
-        (``torch_gdn.rollback_states`` states the layouts). Device tensors only: capturable."""
+        """Every GDN layer's states of ``slots`` (as before the verify) to those after verify token
+        ``accepted[b]`` (``torch_gdn.rollback_states`` states the layouts). Device tensors only:
+        capturable."""
         from wmtp.kernels.torch_gdn import rollback_states
 
-        rollback_states(conv, ssm, rec_states, rec_windows, slots, accepted, n)
+        rollback_states(conv, ssm, rec_tokens, rec_windows, slots, accepted, n)
 
     @abstractmethod
     def moe(
@@ -222,12 +225,13 @@ class TorchBackend(Backend):
 
     def gated_delta_net(self, mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, ssm_state, ctx, layer_idx,
                         dims, record_into=None):
-        from wmtp.kernels.torch_gdn import causal_conv1d, gated_delta_rule, gdn_gates
+        from wmtp.kernels.torch_gdn import (causal_conv1d, gated_delta_rule, gated_delta_rule_recurrent, gdn_gates,
+                                            verify_record)
 
         _, hv, _, dv, _ = dims
         g, beta = gdn_gates(a.flatten(1), b.flatten(1), A_log, dt_bias)
         out = mixed_qkv.new_empty(mixed_qkv.shape[0], hv, dv)
-        windows, all_states = [], []
+        windows, tokens = [], []
         for req, n in enumerate(ctx.q_lens):
             if n == 0:
                 continue
@@ -236,22 +240,22 @@ class TorchBackend(Backend):
             x = mixed_qkv[lo : lo + n]
             conv_out, new_conv = causal_conv1d(x, conv_weight, conv_state[slot])
             q, k, v = _gdn_heads(conv_out, dims)
-            if ctx.record_states:  # verify: keep every per-token state so the engine can roll back
-                o, states = _per_token_states(q, k, v, g[lo : lo + n], beta[lo : lo + n], ssm_state[slot])
-                new_state = states[-1]
+            gates = (g[lo : lo + n], beta[lo : lo + n])
+            if ctx.record_states:  # verify: the states stay; the rollback replays the accepted tokens
+                o, _ = gated_delta_rule_recurrent(q, k, v, *gates, ssm_state[slot])
                 windows.append(torch.cat([conv_state[slot].transpose(0, 1), x.to(conv_state.dtype)]))
-                all_states.append(states)
+                tokens.append(verify_record(q, k, v, *gates, dims[0]))
             else:
-                o, new_state = gated_delta_rule(q, k, v, g[lo : lo + n], beta[lo : lo + n], ssm_state[slot])
-            conv_state[slot] = new_conv.to(conv_state.dtype)
-            ssm_state[slot] = new_state.to(ssm_state.dtype)
+                o, new_state = gated_delta_rule(q, k, v, *gates, ssm_state[slot])
+                conv_state[slot] = new_conv.to(conv_state.dtype)
+                ssm_state[slot] = new_state.to(ssm_state.dtype)
             out[lo : lo + n] = o
         if ctx.record_states:
-            win, states = torch.stack(windows), torch.stack(all_states)
+            win, rec = torch.stack(windows), torch.cat(tokens)
             if record_into is not None:
-                states = record_into[0][: states.shape[0] * states.shape[1]].view(states.shape).copy_(states)
+                rec = record_into[0][: rec.shape[0]].copy_(rec)
                 win = record_into[1][: win.shape[0]].copy_(win)
-            ctx.recorded[layer_idx] = (win, states)
+            ctx.recorded[layer_idx] = (win, rec)
         return out
 
     def moe(self, x, router_weight, gate_up, down, top_k, norm_topk_prob, shared=None):
@@ -279,18 +283,6 @@ def _gdn_heads(conv_out: torch.Tensor, dims: tuple[int, int, int, int, int]) -> 
     q = q.reshape(n, hk, dk).repeat_interleave(hv // hk, dim=1)
     k = k.reshape(n, hk, dk).repeat_interleave(hv // hk, dim=1)
     return q, k, v.reshape(n, hv, dv)
-
-
-def _per_token_states(q, k, v, g, beta, state):
-    """Token-by-token delta rule returning outputs and the state after every token: [n, HV, Dk, Dv]."""
-    from wmtp.kernels.torch_gdn import gated_delta_rule_recurrent
-
-    outs, states = [], []
-    for t in range(q.shape[0]):
-        o, state = gated_delta_rule_recurrent(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], state)
-        outs.append(o)
-        states.append(state)
-    return torch.cat(outs), torch.stack(states)
 
 
 @register_backend("triton")
@@ -372,12 +364,12 @@ class TritonBackend(TorchBackend):
 
         return rms_norm(x, weight, eps, gate=gate)
 
-    def gdn_rollback(self, conv, ssm, rec_states, rec_windows, slots, accepted, n):
+    def gdn_rollback(self, conv, ssm, rec_tokens, rec_windows, slots, accepted, n):
         if conv.dtype == torch.float64:
-            return super().gdn_rollback(conv, ssm, rec_states, rec_windows, slots, accepted, n)
+            return super().gdn_rollback(conv, ssm, rec_tokens, rec_windows, slots, accepted, n)
         from wmtp.kernels.gdn import rollback_states
 
-        rollback_states(conv, ssm, rec_states, rec_windows, slots, accepted, n)
+        rollback_states(conv, ssm, rec_tokens, rec_windows, slots, accepted, n)
 
     def capturable_moe(self, num_tokens: int, cfg, dtype: torch.dtype) -> bool:
         """Whether ``moe`` over ``num_tokens`` avoids host syncs (CUDA-graph capture): the pair-wise
@@ -421,13 +413,13 @@ class TritonBackend(TorchBackend):
         if dims[-1] != 4 or not conv_state.is_contiguous():  # the fused conv is written for Qwen's kernel size 4
             return super().gated_delta_net(mixed_qkv, *gates, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims,
                                            record_into)
-        B, n = len(ctx.q_lens), ctx.q_lens[0]
+        n = ctx.q_lens[0]
         if ctx.record_states and any(m != n for m in ctx.q_lens):
             raise ValueError("record_states needs every request to have the same q_len (verify)")
         _, q_len, tok_off = ctx.device_lens
         # one launch: the conv (state slots updated in place) and the delta rule (gates in-kernel)
-        o, window, states = gdn_decode(mixed_qkv, conv_weight, conv_state, *gates, ssm_state, ctx.state_slots,
+        o, window, tokens = gdn_decode(mixed_qkv, conv_weight, conv_state, *gates, ssm_state, ctx.state_slots,
                                        tok_off, q_len, n if ctx.record_states else None, record_into)
         if ctx.record_states:
-            ctx.recorded[layer_idx] = (window, states.view(B, n, *states.shape[1:]))
+            ctx.recorded[layer_idx] = (window, tokens)
         return o

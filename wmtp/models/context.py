@@ -74,9 +74,9 @@ class ForwardContext:
     windows: list[DraftWindow | None] | None = None  # per request draft window; None = full causal
     device: torch.device | str = "cpu"
     # Filled by GDN layers when ``record_states`` is set (speculative verify; every request has the
-    # same q_len n): per layer, (conv windows [B, K-1+n, C] = old conv state then this forward's
-    # inputs, recurrent state after every token [B, n, HV, Dk, Dv]) so the engine can roll back to
-    # any accepted prefix.
+    # same q_len n; the states are left as they were): per layer, (conv windows [B, K-1+n, C] = old
+    # conv state then this forward's inputs, each token's delta-rule inputs [B*n, record_width]) so
+    # the engine can replay any accepted prefix.
     record_states: bool = False
     recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # Per-forward data a backend derives once and every layer reuses (e.g. kernel metadata).

@@ -145,7 +145,7 @@ class GatedDeltaNet(nn.Module):
 
     conv_state: torch.Tensor
     ssm_state: torch.Tensor
-    # (states [rows, HV, Dk, Dv] fp32, windows [seqs, K-1+d, C]) a verify records into, bound by the engine
+    # (tokens [rows, torch_gdn.record_width] fp32, windows [seqs, K-1+d, C]) a verify records into, bound by the engine
     verify_record: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend: Backend) -> None:
