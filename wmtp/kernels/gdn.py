@@ -17,7 +17,6 @@ launch; nothing syncs with the host. The twin is ``TorchBackend.gated_delta_net`
 
 from __future__ import annotations
 
-
 import torch
 
 from wmtp.kernels.common import arrival_counters, pdl
@@ -101,8 +100,8 @@ if triton is not None:
     @triton.jit
     def _gdn_decode_kernel(X, CW, CONV, A, B, A_LOG, DT_BIAS, STATE, SLOTS, TOK_OFF, Q_LEN, O, REC, WIN, COUNT,
                            HK, HV, R, C, stride_xt, stride_cs, stride_at, stride_ag, stride_bt, stride_bg, stride_ss,
-                           stride_sh, win_rows, rec_w, scale, eps, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                           BLOCK_V: tl.constexpr, RECORD: tl.constexpr, PDL: tl.constexpr):
+                           stride_sh, win_rows, rec_w, scale, eps, GROUP: tl.constexpr, DK: tl.constexpr,
+                           DV: tl.constexpr, BLOCK_V: tl.constexpr, RECORD: tl.constexpr, PDL: tl.constexpr):
         wait_prior(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -339,8 +338,8 @@ def gdn_decode(
             torch.empty(B, 3 + record_len, C, device=x.device, dtype=conv_state.dtype))
         if tokens.dim() != 2 or tokens.shape[0] < T or tokens.shape[1] != rec_w or tokens.dtype != torch.float32 \
                 or not tokens.is_contiguous():
-            raise ValueError(f"gdn_decode: record tokens {tuple(tokens.shape)} {tokens.dtype} cannot hold {T} contiguous "
-                             f"fp32 rows of {rec_w} (torch_gdn.record_width)")
+            raise ValueError(f"gdn_decode: record tokens {tuple(tokens.shape)} {tokens.dtype} cannot hold {T} "
+                             f"contiguous fp32 rows of {rec_w} (torch_gdn.record_width)")
         if win.shape[0] < B or win.shape[1:] != (3 + record_len, C):
             raise ValueError(f"gdn_decode: record windows {tuple(win.shape)} cannot hold {B} windows of "
                              f"[{3 + record_len}, {C}]")

@@ -144,16 +144,16 @@ class CausalLM(nn.Module):
 
     def rollback_states(self, slots: torch.Tensor, accepted: torch.Tensor, recorded: dict) -> None:
         """After a verify with ``record_states`` (which left the states as they were): set each GDN
-        layer's states in ``slots`` [B] to those after verify token ``accepted[b]`` (device tensors, no host sync: graph-capturable).
-        The verify recorded into the engine's stacked record (``MemoryManager.bind``), so every
-        layer moves in one backend op."""
+        layer's states in ``slots`` [B] to those after verify token ``accepted[b]`` (device tensors,
+        no host sync: graph-capturable). The verify recorded into the engine's stacked record
+        (``MemoryManager.bind``), so every layer moves in one backend op."""
         layers = self.gdn_layers()
         pools = getattr(self, "gdn_pools", None)
         if pools is None or pools.verify_tokens is None or any(
                 recorded[l.layer_idx][1].data_ptr() != pools.verify_tokens[i].data_ptr() for i, l in enumerate(layers)):
             raise RuntimeError("rollback_states: the verify did not record into the engine's stacked verify record "
                                "(GatedDeltaNet.verify_record, bound by MemoryManager.bind)")
-        n = recorded[layers[0].layer_idx][0].shape[1] - (pools.conv.shape[-1])  # window rows: K-1 old + n inputs
+        n = recorded[layers[0].layer_idx][0].shape[1] - pools.conv.shape[-1]  # window rows: K-1 old, n inputs
         self.backend.gdn_rollback(pools.conv, pools.ssm, pools.verify_tokens, pools.verify_windows, slots, accepted, n)
 
     # ---- cache views ----------------------------------------------------------------------
