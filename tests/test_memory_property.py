@@ -87,9 +87,12 @@ def make_machine(mode: str) -> type[RuleBasedStateMachine]:
                 probe = MemoryManager(self.cfg, self.spec, self.eng, torch.float32)
                 num_pages = max(num_pages, per_seq // max_num_seqs, 1)
                 rings = max_num_seqs if self.spec.uses_ring else 0
-                c, d = self.cfg, self.spec.verify_tokens  # verify record: d fp32 SSM states + K-1+d window rows
-                per_layer = (d * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-                             + (c.linear_conv_kernel_dim - 1 + d) * c.gdn_conv_dim * 4)
+                # verify record: d tokens' fp32 delta-rule inputs (k per k-head; v, g, beta per v-head)
+                # + K-1+d window rows
+                c, d = self.cfg, self.spec.verify_tokens
+                token = (c.linear_num_key_heads * c.linear_key_head_dim
+                         + c.linear_num_value_heads * (c.linear_value_head_dim + 2)) * 4
+                per_layer = d * token + (c.linear_conv_kernel_dim - 1 + d) * c.gdn_conv_dim * 4
                 verify = self.spec.speculative * max_num_seqs * len(c.linear_attention_layers) * per_layer
                 fixed = (rings * self.spec.ring_size * probe.draft_slot_bytes + max_num_seqs * probe.state_slot_bytes
                          + verify)
