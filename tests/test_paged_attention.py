@@ -152,6 +152,16 @@ def test_many_splits_merge(splits):
     _compare(case, splits, block_n=16)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_rows_that_see_no_key_of_a_tile_yet(splits):
+    """No sink and a short window under many queries: within one program some rows see keys of a
+    tile while others have seen none so far (running max still -inf); the update of the rows that
+    see keys must leave the others' sums untouched (no -inf - -inf)."""
+    win = DraftWindow(sink=0, window=4)
+    case = _case(8, 4, 2, 16, q_lens=[40], starts=[40], windows=[win], ring=False, page=4)
+    _compare(case, splits, block_n=16)
+
+
 def test_mixed_windows_in_one_paged_forward():
     """window_min_context: some requests of one forward use the window, others read every key."""
     case = _case(2, 6, 3, 16, q_lens=[2, 3, 1], starts=[50, 10, 64], windows=[W, None, W], ring=False, page=4)
