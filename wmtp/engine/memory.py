@@ -137,10 +137,15 @@ class MemoryManager:
         c, d = self.cfg, self.spec.verify_tokens
         if not (c.is_hybrid and self.spec.speculative):
             return 0
-        tokens = record_width(c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads,
-                              c.linear_value_head_dim) * 4
         window = (c.linear_conv_kernel_dim - 1 + d) * c.gdn_conv_dim * self.elt
-        return len(c.linear_attention_layers) * (d * tokens + window)
+        return len(c.linear_attention_layers) * (d * self.verify_token_width * 4 + window)
+
+    @property
+    def verify_token_width(self) -> int:
+        """fp32 values a verify records per token and GDN layer (``torch_gdn.record_width``)."""
+        c = self.cfg
+        return record_width(c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads,
+                            c.linear_value_head_dim)
 
     def _plan(self) -> PoolSizes:
         e, s = self.eng, self.spec
@@ -214,9 +219,8 @@ class MemoryManager:
             seqs, d = self.sizes.num_verify_seqs, self.spec.verify_tokens
             rec = win = None
             if seqs:
-                width = record_width(c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads,
-                                     c.linear_value_head_dim)
-                rec = torch.empty(len(gdn), seqs * d, width, device=device, dtype=torch.float32)
+                rec = torch.empty(len(gdn), seqs * d, self.verify_token_width, device=device,
+                                  dtype=torch.float32)
                 win = torch.empty(len(gdn), seqs, c.linear_conv_kernel_dim - 1 + d, c.gdn_conv_dim, device=device,
                                   dtype=self.dtype)
             for i, layer in enumerate(gdn):
