@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--graphs", default="off", choices=("off", "auto"))
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--timeline", help="also write every profiled kernel (name, start, duration in us) as JSON here")
     a = ap.parse_args()
     model = wmtp.load_model(a.preset, device="cuda", dtype="bfloat16", backend="triton")
     with open(a.out, "w") as f:
@@ -63,6 +64,8 @@ def main() -> None:
                 torch.cuda.synchronize()
             summary = kernel_summary(prof, 1 if a.prefill else a.iters)
             print(f"{mode} ({what}): {summary['line']}", flush=True)
+            if a.timeline:
+                write_timeline(prof, a.timeline.replace(".json", f"_{mode}.json"), f"{mode}, {what}")
             f.write(f"==== {mode}: kernels per iteration ({what})\n{summary['table']}\n")
             for key in ("self_cpu_time_total", "cuda_time_total"):
                 f.write(f"==== {mode}: by {key} ({what})\n")
@@ -73,11 +76,24 @@ def main() -> None:
             release_pools(model)
 
 
+def _kernels(prof) -> list:
+    return sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start),
+                  key=lambda e: e.time_range.start)
+
+
+def write_timeline(prof, path: str, what: str) -> None:
+    """Every kernel in launch order, so per-call costs (a verify's MoE vs a draft's) can be told apart."""
+    import json
+
+    rows = [(e.name[:90], round(e.time_range.start, 3), round(e.time_range.elapsed_us(), 3)) for e in _kernels(prof)]
+    with open(path, "w") as f:
+        json.dump({"what": what, "columns": ["name", "start_us", "dur_us"], "kernels": rows}, f)
+
+
 def kernel_summary(prof, iters: int) -> dict:
     """Kernels per iteration: count, summed duration, busy time (union of intervals) and span (ms),
     plus the kernels grouped by name, largest total first."""
-    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start),
-                     key=lambda e: e.time_range.start)
+    kernels = _kernels(prof)
     if not kernels:
         return {"line": "no kernels recorded", "table": ""}
     busy, cur_lo, cur_hi = 0.0, kernels[0].time_range.start, kernels[0].time_range.end
