@@ -291,7 +291,9 @@ def test_rollback_kernel_matches_reference(dtype, dv):
     assert rec.shape[2] == record_width(HK, DK, HV, dv)
     win = torch.randn(L, B + 1, km1 + n, C, generator=g).to(DEVICE, dtype)
     slots = torch.tensor([4, 1], device=DEVICE)
-    accepted = torch.tensor([3, 0], device=DEVICE)
+    # accepted as a strided column (as the decode graphs' results buffer holds it): the kernel must not
+    # read it as contiguous
+    accepted = torch.tensor([[3, 9], [0, 9]], device=DEVICE)[:, 0]
     before, want_conv, want_ssm = ssm.clone(), conv.clone(), ssm.clone()
     reference(want_conv, want_ssm, rec, win, slots, accepted, n)
     rollback_states(conv, ssm, rec, win, slots, accepted, n)

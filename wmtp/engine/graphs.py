@@ -35,6 +35,7 @@ no host value that changes between replays. With ``capture=False`` the same func
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -81,6 +82,15 @@ class _Staging:
         self.dev.copy_(host.pin_memory() if self.pin else host, non_blocking=True)
 
 
+def _compiled(fn: Callable[..., None], device: torch.device) -> Callable[..., None]:
+    """``fn`` (pure torch, writing static buffers) through ``torch.compile`` on CUDA, where its small
+    ops fuse into a few kernels; as it is elsewhere and with ``WMTP_COMPILE=0``. The first call
+    compiles (the graphs' warm-up, before capture)."""
+    if device.type != "cuda" or os.environ.get("WMTP_COMPILE") == "0":
+        return fn
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
 class DecodeGraphs:
     """The static buffers, contexts and (optionally captured) graphs for batches of ``B`` greedy
     requests of one engine. One iteration: ``load`` (a no-op while the batch is unchanged), ``run``
@@ -99,10 +109,10 @@ class DecodeGraphs:
             "ver_pos": (B, d), "chain_pos": (g, B), "chain_slot": (g, B), "windowed": (B,), "ver_slot": (B, d),
             "ver_start": (B,), "ext_slot": (B, d),
         }, dev)
-        # RoPE (cos, sin) of every forward's positions, computed once per iteration by _stage:
-        # rows [0, B·d) the verify's and the extend's (same positions), then the chain steps' B each
+        # RoPE (cos, sin) of every forward's positions (stage.span("ver_pos", "chain_pos")), computed once
+        # per iteration by _stage: rows [0, B·d) the verify's and the extend's (same positions), then the
+        # chain steps' B each
         rot = engine.model.rotary.rot_dim
-        self.rope_pos = self.stage.span("ver_pos", "chain_pos")
         self.rope_cos_sin = tuple(torch.zeros(B * d + g * B, rot, device=dev) for _ in range(2))
         max_pages = mem.pages_for(engine.eng.max_model_len + spec.num_draft_tokens)
         self.target_table = torch.zeros(B, max_pages, dtype=torch.int32, device=dev)
@@ -112,8 +122,7 @@ class DecodeGraphs:
         # results, packed for one copy to the host: drafts [B, γ] | target [B, d] | accepted | next d_1 | L
         g1 = max(self.gamma, 1)
         self.out = torch.zeros(B, g1 + d + 3, dtype=torch.int64, device=dev)
-        self.drafts, self.target = self.out[:, :g1], self.out[:, g1 : g1 + d]
-        self.accepted, self.next_d1, self.length_out = self.out[:, g1 + d], self.out[:, g1 + d + 1], self.out[:, g1 + d + 2]
+        self.drafts, self.target, self.accepted, self.next_d1, self.length_out = self._results()
         self.ver_hidden = torch.zeros(B * d, cfg.hidden_size, device=dev, dtype=engine.dtype)
         self.next_hidden = torch.zeros(B, cfg.hidden_size, device=dev, dtype=engine.dtype)
         self.ext_ids = torch.zeros(B, d, dtype=torch.int64, device=dev)
@@ -129,6 +138,11 @@ class DecodeGraphs:
         self._next_buf = 0
         self.loaded: tuple | None = None  # (request ids in row order, forced) of the rows on the device
         self._build_contexts()
+        # the bookkeeping between the forwards (staging, acceptance, the extend's inputs, the advance) is
+        # pure torch: eagerly about 80 tiny kernels an iteration (~1.5 us each in a graph, 0.13 ms at B = 1)
+        self.run_stage, self.run_accept_counts, self.run_extend_inputs, self.run_extend_outputs, self.run_advance = (
+            _compiled(fn, dev) for fn in (self._stage, self._accept_counts, self._extend_inputs, self._extend_outputs,
+                                          self._advance))
         self.graphs: dict[str, Callable[[], None]] = {}
         fns = {"verify": self._verify}
         if self.gamma:
@@ -136,6 +150,14 @@ class DecodeGraphs:
         for name, fn in fns.items():
             self.graphs[name] = self._capture(fn, pool) if capture else self._warm(fn)
         self._fill_safe()
+
+    def _results(self) -> tuple[torch.Tensor, ...]:
+        """Views of ``out``: drafts [B, max(γ, 1)], target [B, d], accepted, next d_1, L [B]. The
+        compiled steps take their views here, from ``out`` itself: views held as separate attributes
+        would be aliased inputs to a compiled function that writes some of them."""
+        g1, d = max(self.gamma, 1), self.d
+        o = self.out
+        return o[:, :g1], o[:, g1 : g1 + d], o[:, g1 + d], o[:, g1 + d + 1], o[:, g1 + d + 2]
 
     # ---- contexts over the static buffers ------------------------------------------------------
     def _lens(self, q_start: torch.Tensor, q_len: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -197,7 +219,7 @@ class DecodeGraphs:
                             ("pages", 0), ("draft_pages", 0)):
             self.stage.set(name, [value] * B)
         self.stage.upload()
-        self._stage()
+        self.run_stage()
         self.loaded = None
 
     def _warm(self, fn: Callable[[], None]) -> Callable[[], None]:
@@ -232,21 +254,22 @@ class DecodeGraphs:
                 chain_pos = (Lc - 2)[None, :] + self.chain_steps  # [γ-1, B]: step i writes L-2+i
                 a.view("chain_pos").copy_(chain_pos)
                 a.view("chain_slot").copy_(self._draft_slots(chain_pos.T, active).T)
-        self.eng.model.rotary(self.rope_pos, out=self.rope_cos_sin)
+        self.eng.model.rotary(a.span("ver_pos", "chain_pos"), out=self.rope_cos_sin)
 
     @torch.no_grad()
     def _advance(self) -> None:
         """Commit the iteration on the device: L += a + 1, x_{L-1} = the bonus token (a = 0 in dense
         mode); L is also reported in the results."""
-        L, a = self.stage.view("length"), self.accepted
-        self.stage.view("ver_x").copy_(self.target.gather(1, a[:, None])[:, 0])
+        _, target, a, _, length_out = self._results()
+        L = self.stage.view("length")
+        self.stage.view("ver_x").copy_(target.gather(1, a[:, None])[:, 0])
         L.add_(torch.where(L > 0, a + 1, 0))
-        self.length_out.copy_(L)
+        length_out.copy_(L)
 
     # ---- the forwards (captured once; they only read and write static buffers) ----------------
     @torch.no_grad()
     def _chain(self) -> None:
-        self._stage()
+        self.run_stage()
         model = self.eng.model
         ids, hid = self.next_d1, self.next_hidden  # the extend rewrites next_hidden only after the chain
         self.drafts[:, 0] = ids
@@ -259,7 +282,7 @@ class DecodeGraphs:
         """(Dense mode: the whole iteration, its staging and advance included.)"""
         model = self.eng.model
         if not self.gamma:
-            self._stage()
+            self.run_stage()
         self.ver_ids[:, 0] = self.stage.view("ver_x")
         if self.gamma:
             self.ver_ids[:, 1:] = self.drafts
@@ -267,33 +290,48 @@ class DecodeGraphs:
         self.ver_hidden.copy_(hidden)
         model.backend.argmax(model.compute_logits(hidden), out=self.target)
         if not self.gamma:
-            self._advance()
+            self.run_advance()
 
     @torch.no_grad()
     def _accept(self) -> None:
         """Accepted counts (greedy, or the staged forced count where >= 0), then the GDN rollback."""
-        from wmtp.engine.sampling import accept_greedy_batch
-
-        forced = self.stage.view("forced")
-        a = torch.where(forced >= 0, forced, accept_greedy_batch(self.drafts, self.target))
-        self.accepted.copy_(a)
+        a = self.run_accept_counts()
         if self.ver_ctx.recorded:
             self.eng.model.rollback_states(self.stage.view("state"), a, self.ver_ctx.recorded)
 
+    def _accept_counts(self) -> torch.Tensor:
+        """Writes the accepted counts into ``out`` and returns them as a contiguous [B] tensor."""
+        from wmtp.engine.sampling import accept_greedy_batch
+
+        drafts, target, accepted, _, _ = self._results()
+        forced = self.stage.view("forced")
+        a = torch.where(forced >= 0, forced, accept_greedy_batch(drafts[:, : self.gamma], target))
+        accepted.copy_(a)
+        return a
+
     @torch.no_grad()
     def _extend(self) -> None:
+        """The draft-extend forward, then the next d_1 and MTP output, and the advance."""
+        model = self.eng.model
+        self.run_extend_inputs()
+        out = model.mtp_forward(self.ext_ids.view(-1), self.ver_hidden, self.ext_ctx)
+        self.run_extend_outputs(out)
+        model.backend.argmax(model.compute_logits(self.next_hidden), out=self.next_d1)
+
+    def _extend_inputs(self) -> None:
         """Extend inputs from the accepted counts on the device: ids [d_1..d_a, bonus, 0...], the
         first a + 1 slots of each request (the rest to the trash slot)."""
-        model, a, d = self.eng.model, self.accepted, self.d
-        bonus = self.target.gather(1, a[:, None])
-        drafts = torch.nn.functional.pad(self.drafts, (0, d - self.gamma))
+        drafts, target, a, _, _ = self._results()
+        bonus = target.gather(1, a[:, None])
+        drafts = torch.nn.functional.pad(drafts[:, : self.gamma], (0, self.d - self.gamma))
         self.ext_ids.copy_(torch.where(self.cols < a[:, None], drafts, torch.where(self.cols == a[:, None], bonus, 0)))
         self.ext_slot.copy_(torch.where(self.cols <= a[:, None], self.stage.view("ext_slot"), self.trash_draft))
         self.ext_len.copy_(a + 1)
-        out = model.mtp_forward(self.ext_ids.view(-1), self.ver_hidden, self.ext_ctx)
-        last = out[torch.arange(self.B, device=a.device) * d + a]
-        self.next_hidden.copy_(last)
-        model.backend.argmax(model.compute_logits(last), out=self.next_d1)
+
+    def _extend_outputs(self, out: torch.Tensor) -> None:
+        """Each request's MTP output at its bonus row (the next iteration's hidden input), then the advance."""
+        a = self._results()[2]
+        self.next_hidden.copy_(out[torch.arange(self.B, device=a.device) * self.d + a])
         self._advance()
 
     def _capture(self, fn: Callable[[], None], pool) -> Callable[[], None]:

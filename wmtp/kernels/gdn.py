@@ -418,7 +418,7 @@ def rollback_states(conv: torch.Tensor, ssm: torch.Tensor, rec_tokens: torch.Ten
     """``torch_gdn.rollback_states`` (its twin) in one launch, every layer at once: each request's
     state replayed from its slot through its accepted tokens' recorded inputs (at ``gdn_decode``'s
     tile and warps, so bit for bit the verify's state), its conv context copied from the window.
-    Shapes as the twin's; all contiguous."""
+    Shapes as the twin's; the pools and records contiguous (``slots`` / ``accepted`` may be views)."""
     L, B = ssm.shape[0], slots.shape[0]
     HV, DK, DV = ssm.shape[2:]
     C, km1 = conv.shape[2], conv.shape[3]
@@ -438,7 +438,7 @@ def rollback_states(conv: torch.Tensor, ssm: torch.Tensor, rec_tokens: torch.Ten
     block_v, block_c = min(DECODE_BLOCK_V, triton.next_power_of_2(DV)), 1024
     v_blocks = triton.cdiv(DV, block_v)
     _rollback_kernel[(L * B, HV * v_blocks + triton.cdiv(C, block_c))](
-        conv, ssm, rec_tokens, rec_windows, slots, accepted, B, n, C, HK, HV, km1 + n, rec_w, conv.stride(0),
-        conv.stride(1), ssm.stride(0), ssm.stride(1), rec_tokens.stride(0), rec_windows.stride(0), v_blocks,
+        conv, ssm, rec_tokens, rec_windows, slots.contiguous(), accepted.contiguous(), B, n, C, HK, HV, km1 + n, rec_w,
+        conv.stride(0), conv.stride(1), ssm.stride(0), ssm.stride(1), rec_tokens.stride(0), rec_windows.stride(0), v_blocks,
         GROUP=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, BLOCK_C=block_c, KM1=km1, num_warps=DECODE_WARPS,
         **pdl(conv.device))
