@@ -421,8 +421,9 @@ class Engine:
     def _iteration_static(self, reqs: list[Request], graphs: DecodeGraphs) -> None:
         """``_iteration`` for greedy batches, from static buffers: the rows uploaded once per batch,
         the four forwards back to back (positions, acceptance and the extend's inputs derived on
-        the device), results through one copy. With ``overlap`` the next iteration of the same
-        batch is launched before this one's results are read and emitted."""
+        the device; one graph replay, or four when the phases are timed), results through one copy.
+        With ``overlap`` the next iteration of the same batch is launched before this one's results
+        are read and emitted."""
         pt = self.phase_timer
         overlap = self.overlap and pt is None
         prev = self._inflight
@@ -434,20 +435,13 @@ class Engine:
             pt.start()
         self._forget_rows(keep=graphs)
         graphs.load(reqs, self.forced_accept)
-        if self.spec.gamma:
-            graphs.run("chain")
-            if pt is not None:
-                pt.mark("draft_fwd")
-        graphs.run("verify")
-        if pt is not None:
-            pt.mark("verify_base")
-        if self.spec.gamma:
-            graphs.run("accept")
-            if pt is not None:
-                pt.mark("verify_ovh")
-            graphs.run("extend")
-            if pt is not None:
-                pt.mark("draft_ctx")
+        if pt is None:
+            graphs.run("iteration" if self.spec.gamma else "verify")
+        else:  # the forwards replayed apart, each phase timed
+            phases = (("chain", "draft_fwd"), ("verify", "verify_base"), ("accept", "verify_ovh"), ("extend", "draft_ctx"))
+            for name, phase in phases if self.spec.gamma else phases[1:2]:
+                graphs.run(name)
+                pt.mark(phase)
         launched = _InFlight(graphs, reqs, graphs.fetch(), t0)
         if overlap:
             self._inflight = launched
