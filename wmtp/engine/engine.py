@@ -309,7 +309,7 @@ class Engine:
                 ids = torch.tensor([dr[-1] for dr in drafts], device=self.device)
                 ctx = self._draft_ctx(reqs, [L - 2 + i for L in lens], [1] * len(reqs), windows)
                 hid = self.model.mtp_forward(ids, hid, ctx)
-                logits = self.model.compute_logits(hid)
+                logits = self.model.draft_logits(hid)
                 for b, r in enumerate(reqs):
                     tok, q = self._sample_draft(r, logits[b : b + 1], lens[b] + i)
                     drafts[b].append(tok)
@@ -490,7 +490,7 @@ class Engine:
     # ---- draft helpers -------------------------------------------------------------------------
     def _set_draft(self, req: Request, mtp_out: torch.Tensor) -> None:
         req.draft_hidden = mtp_out
-        req.draft_token, req.draft_q = self._sample_draft(req, self.model.compute_logits(mtp_out), len(req.tokens))
+        req.draft_token, req.draft_q = self._sample_draft(req, self.model.draft_logits(mtp_out), len(req.tokens))
 
     def _sample_draft(self, req: Request, logits: torch.Tensor, pos: int) -> tuple[int, torch.Tensor | None]:
         """Propose the token at sequence position ``pos`` (tests override this to inject drafts:

@@ -278,7 +278,7 @@ class DecodeGraphs:
         self.drafts[:, 0] = ids
         for i, ctx in enumerate(self.chain_ctx, start=1):
             hid = model.mtp_forward(ids, hid, ctx)
-            ids = model.backend.argmax(model.compute_logits(hid), out=self.drafts[:, i])
+            ids = model.backend.argmax(model.draft_logits(hid), out=self.drafts[:, i])
 
     @torch.no_grad()
     def _verify(self) -> None:
@@ -319,7 +319,7 @@ class DecodeGraphs:
         self.run_extend_inputs()
         out = model.mtp_forward(self.ext_ids.view(-1), self.ver_hidden, self.ext_ctx)
         self.run_extend_outputs(out)
-        model.backend.argmax(model.compute_logits(self.next_hidden), out=self.next_d1)
+        model.backend.argmax(model.draft_logits(self.next_hidden), out=self.next_d1)
 
     def _extend_inputs(self) -> None:
         """Extend inputs from the accepted counts on the device: ids [d_1..d_a, bonus, 0...], the

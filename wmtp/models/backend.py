@@ -55,7 +55,7 @@ class Backend(ABC):
                           self.rms_norm(hidden, w_h, eps, offset)], dim=-1)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear``: the model's projections (not the lm_head)."""
+        """``F.linear``: the model's projections and the draft's lm_head (``draft_logits``)."""
         return F.linear(x, weight, bias)
 
     def argmax(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -119,8 +119,16 @@ class CausalLM(nn.Module):
         return ctx.rope if ctx.rope is not None else self.rotary(ctx.positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+        return torch.nn.functional.linear(hidden, self._lm_head_weight())
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``compute_logits`` of MTP outputs, through the backend's linear (a 1-row draft step's
+        lm_head may take a decode kernel instead of cuBLAS). Only drafts come from these logits and
+        the target verifies each, so their summation order can never change the output."""
+        return self.backend.linear(hidden, self._lm_head_weight())
+
+    def _lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     # ---- draft ----------------------------------------------------------------------------
     def mtp_forward(
