@@ -51,7 +51,8 @@ if triton is not None:
     def _delta_rule_step(S, k, v, g, beta):
         """One token of the gated delta rule on this program's [Dk, BLOCK_V] state slice (fp32):
         ``torch_gdn.delta_rule_step``. The verify and the rollback's replay both run it, at the same
-        tile and warps, so the replayed state is the verify's bit for bit."""
+        tile and warps, so the replayed state is the verify's: bit for bit on the CPU; on the GPU
+        within an ulp or so (the two kernels' reductions may take different layouts)."""
         S = S * tl.exp(g)
         pred = tl.sum(k[:, None] * S, 0)  # what the state already predicts for k
         delta = (v - pred) * beta
@@ -224,7 +225,7 @@ if triton is not None:
                          PDL: tl.constexpr):
         """Program (layer * B + b, j): for j < HV * V_BLOCKS, v-head j // V_BLOCKS's block of value
         dims of request b's state, replayed from its slot through the recorded tokens 0..accepted[b]
-        (the verify's own steps, so its states bit for bit); programs past those copy the conv
+        (the verify's own steps, so its states to rounding); programs past those copy the conv
         window rows that end at the accepted token."""
         wait_prior(PDL)
         lb = tl.program_id(0)
@@ -417,7 +418,7 @@ def rollback_states(conv: torch.Tensor, ssm: torch.Tensor, rec_tokens: torch.Ten
                     slots: torch.Tensor, accepted: torch.Tensor, n: int) -> None:
     """``torch_gdn.rollback_states`` (its twin) in one launch, every layer at once: each request's
     state replayed from its slot through its accepted tokens' recorded inputs (at ``gdn_decode``'s
-    tile and warps, so bit for bit the verify's state), its conv context copied from the window.
+    tile and warps, so the verify's state to rounding), its conv context copied from the window.
     Shapes as the twin's; the pools and records contiguous (``slots`` / ``accepted`` may be views)."""
     L, B = ssm.shape[0], slots.shape[0]
     HV, DK, DV = ssm.shape[2:]
