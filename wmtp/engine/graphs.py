@@ -86,10 +86,13 @@ class _Staging:
 def _compiled(fn: Callable[..., None], device: torch.device) -> Callable[..., None]:
     """``fn`` (pure torch, writing static buffers) through ``torch.compile`` on CUDA, where its small
     ops fuse into a few kernels; as it is elsewhere and with ``WMTP_COMPILE=0``. The first call
-    compiles (the graphs' warm-up, before capture)."""
+    compiles (the graphs' warm-up, before capture). Not ``fullgraph``: every graph set (batch size,
+    model, dtype) is a recompile of the same code, and past dynamo's recompile limit (8) a set runs
+    these steps eagerly, where ``fullgraph`` would raise (it did, in the 24 engines of
+    benchmarks/gpu_identity.py)."""
     if device.type != "cuda" or os.environ.get("WMTP_COMPILE") == "0":
         return fn
-    return torch.compile(fn, fullgraph=True, dynamic=False)
+    return torch.compile(fn, dynamic=False)
 
 
 class DecodeGraphs:
