@@ -9,7 +9,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from wmtp.kernels.common import MAX_COUNTERS, arrival_counters  # noqa: E402
-from wmtp.kernels.linear import MAX_ROWS, LinearTiles, skinny_linear  # noqa: E402
+from wmtp.kernels.linear import MAX_ROWS, LinearTiles, decode_linear, linear_tiles, skinny_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16 = pytest.param(torch.bfloat16, id="bf16")
@@ -35,6 +35,17 @@ def test_skinny_linear_matches_f_linear(rows, splits, dtype):
     assert _close(skinny_linear(x, w, tiles=tiles), F.linear(x, w))
     assert _close(skinny_linear(x, w, b, tiles=tiles), F.linear(x, w, b))
     assert int(arrival_counters(x.device, 8)[:8].abs().sum()) == 0  # left zeroed for the next launch
+
+
+def test_a_one_row_vocab_projection_takes_the_kernel():
+    """A draft step's lm_head (1 row, > 16384 outputs) takes the kernel's 64 x 256 tiles, and
+    ``decode_linear`` computes it as F.linear does; 8 rows (the verify) stay on cuBLAS."""
+    assert linear_tiles(1, 20_000, 64) == LinearTiles(64, 256, 1, 4)
+    assert linear_tiles(8, 20_000, 64) is None
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 64, generator=g).to(DEVICE)
+    w = (torch.randn(20_000, 64, generator=g) * 0.125).to(DEVICE)
+    assert _close(decode_linear(x, w), F.linear(x, w))
 
 
 def test_skinny_linear_keeps_leading_dims_and_strided_rows():
