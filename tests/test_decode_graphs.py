@@ -114,6 +114,22 @@ def test_overlapped_iterations_match_synchronous_ones():
     assert overlapped > 0, "no iteration was collected while the next one was in flight"
 
 
+def test_phase_timed_replay_matches_the_one_graph_iteration():
+    """With the phase timer the four forwards replay apart, each phase marked; without it, as one
+    ``iteration`` graph: the same tokens either way, and the timer saw the static iteration's phases."""
+    from wmtp.engine.phases import PhaseTimer
+
+    prompts, lens = _prompts(2, seed=6), [5, 3]
+    runs, timer = {}, PhaseTimer(DEVICE)
+    for timed in (False, True):
+        llm = _llm("tiny-llama", "native", GRAPHS)
+        llm.engine.phase_timer = timer if timed else None
+        runs[timed] = _staggered(llm, prompts, lens)
+    phases = ("draft_fwd", "verify_base", "verify_ovh", "draft_ctx")
+    assert any(all(row[p] > 0 for p in phases) for row in timer.collect()), "no iteration replayed the forwards apart"
+    assert runs[True] == runs[False], "the phase-timed replay and the one-graph iteration disagree"
+
+
 def test_a_batch_returning_to_an_earlier_graph_set_reloads():
     """[A] runs on the B = 1 set, [A, B] on the B = 2 set, B finishes, [A] is back on the B = 1 set:
     that set must reload A's rows (its device L and draft state are an iteration set behind)."""
