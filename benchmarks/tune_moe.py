@@ -30,7 +30,7 @@ import torch
 # BLOCK_K weights in registers, so its tiles stay smaller than the SwiGLU GEMV's.
 GRIDS = {
     "swiglu_routed_shared": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (2, 3, 4))),
-    "down_combine_shared": list(itertools.product((4, 8, 16), (64, 128, 256), (4, 8), (2, 3, 4))),
+    "down_combine_shared": list(itertools.product((2, 4, 8, 16), (64, 128, 256, 512), (4, 8), (2, 3))),
 }
 
 

@@ -173,9 +173,14 @@ if triton is not None:
             # whole tiles at or before the first query: position = j, one page per tile, no masks
             full_end = lo + tl.maximum(tl.minimum(hi, q_first + 1) - lo, 0) // BLOCK_N * BLOCK_N
             tile = tl.arange(0, BLOCK_N)[:, None] * stride_kt + dims[None, :]
+            # each tile's page is loaded one tile ahead: a lookup feeding the same tile's K / V
+            # addresses stalls the pipelined loads (7 verify queries over 1.04M keys: 0.55 against
+            # 0.50 ms, H200; tuning/s14/attn_table_prefetch)
+            page = tl.load(table_ptr + b * table_stride + lo // page_size, mask=lo < full_end, other=0).to(tl.int32)
             for j0 in range(lo, full_end, BLOCK_N):
-                page = tl.load(table_ptr + b * table_stride + j0 // page_size).to(tl.int64)
-                base = (page * page_size + j0 % page_size) * stride_kt + kvh * stride_kh
+                base = (page * page_size + j0 % page_size).to(tl.int64) * stride_kt + kvh * stride_kh
+                nxt = j0 + BLOCK_N
+                page = tl.load(table_ptr + b * table_stride + nxt // page_size, mask=nxt < full_end, other=0).to(tl.int32)
                 k = tl.load(K + base + tile)
                 v = tl.load(V + base + tile)
                 m_i, l_i, acc = _softmax_step(q, k, v, True, m_i, l_i, acc, scale_log2e, MASKED=False, IEEE=IEEE)
