@@ -176,11 +176,11 @@ if triton is not None:
             # each tile's page is loaded one tile ahead: a lookup feeding the same tile's K / V
             # addresses stalls the pipelined loads (7 verify queries over 1.04M keys: 0.55 against
             # 0.50 ms, H200; tuning/s14/attn_table_prefetch)
-            page = tl.load(table_ptr + b * table_stride + lo // page_size, mask=lo < full_end, other=0).to(tl.int32)
+            tile_page = tl.load(table_ptr + b * table_stride + lo // page_size, mask=lo < full_end, other=0).to(tl.int32)
             for j0 in range(lo, full_end, BLOCK_N):
-                base = (page * page_size + j0 % page_size).to(tl.int64) * stride_kt + kvh * stride_kh
+                base = (tile_page * page_size + j0 % page_size).to(tl.int64) * stride_kt + kvh * stride_kh
                 nxt = j0 + BLOCK_N
-                page = tl.load(table_ptr + b * table_stride + nxt // page_size, mask=nxt < full_end, other=0).to(tl.int32)
+                tile_page = tl.load(table_ptr + b * table_stride + nxt // page_size, mask=nxt < full_end, other=0).to(tl.int32)
                 k = tl.load(K + base + tile)
                 v = tl.load(V + base + tile)
                 m_i, l_i, acc = _softmax_step(q, k, v, True, m_i, l_i, acc, scale_log2e, MASKED=False, IEEE=IEEE)
