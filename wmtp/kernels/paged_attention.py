@@ -168,14 +168,12 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        full_end = lo
         if CONTIG:
             # whole tiles at or before the first query: position = j, one page per tile, no masks
             full_end = lo + tl.maximum(tl.minimum(hi, q_first + 1) - lo, 0) // BLOCK_N * BLOCK_N
             tile = tl.arange(0, BLOCK_N)[:, None] * stride_kt + dims[None, :]
             # each tile's page is loaded one tile ahead: a lookup feeding the same tile's K / V
-            # addresses stalls the pipelined loads (7 verify queries over 1.04M keys: 0.55 against
-            # 0.50 ms, H200; tuning/s14/attn_table_prefetch)
+            # addresses stalls the pipelined loads (tuning/s14/attn_table_prefetch)
             tile_page = tl.load(table_ptr + b * table_stride + lo // page_size, mask=lo < full_end, other=0).to(tl.int32)
             for j0 in range(lo, full_end, BLOCK_N):
                 base = (tile_page * page_size + j0 % page_size).to(tl.int64) * stride_kt + kvh * stride_kh
@@ -184,21 +182,35 @@ if triton is not None:
                 k = tl.load(K + base + tile)
                 v = tl.load(V + base + tile)
                 m_i, l_i, acc = _softmax_step(q, k, v, True, m_i, l_i, acc, scale_log2e, MASKED=False, IEEE=IEEE)
-        for j0 in range(full_end, hi, BLOCK_N):
-            j = j0 + tl.arange(0, BLOCK_N)
-            k_ok = j < hi
-            pos = tl.where(j < sink_end, j, recent + j - sink_end)
-            if RING:
-                slot = tl.load(table_ptr + b * table_stride).to(tl.int32) + tl.where(pos < sink, pos, sink + (pos - sink) % ring_mod)
-            else:
-                page = tl.load(table_ptr + b * table_stride + pos // page_size, mask=k_ok, other=0).to(tl.int32)
-                slot = page * page_size + pos % page_size
-            slot = slot.to(tl.int64)
-            k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + dims[None, :], mask=k_ok[:, None], other=0.0)
-            v = tl.load(V + slot[:, None] * stride_kt + kvh * stride_kh + dims[None, :], mask=k_ok[:, None], other=0.0)
-            visible = (pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
-            visible &= (~windowed) | (pos[None, :] < sink) | (pos[None, :] > q_pos[:, None] - window)
-            m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e, MASKED=True, IEEE=IEEE)
+            # the tail (the causal edge, the split's end) still has one page per tile: the same scalar
+            # addressing with masks. The general loop's [BLOCK_N, D] int64 addresses, compiled beside
+            # the main loop, cost it registers: 7 queries over 1.04M keys ran 0.55 ms with them,
+            # 0.50 without (64-key tiles, H200; tuning/s14/attn_table_prefetch)
+            for j0 in range(full_end, hi, BLOCK_N):
+                base = (tl.load(table_ptr + b * table_stride + j0 // page_size).to(tl.int32) * page_size
+                        + j0 % page_size).to(tl.int64) * stride_kt + kvh * stride_kh
+                j = j0 + tl.arange(0, BLOCK_N)
+                k_ok = j < hi
+                k = tl.load(K + base + tile, mask=k_ok[:, None], other=0.0)
+                v = tl.load(V + base + tile, mask=k_ok[:, None], other=0.0)
+                visible = (j[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
+                m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e, MASKED=True, IEEE=IEEE)
+        else:
+            for j0 in range(lo, hi, BLOCK_N):
+                j = j0 + tl.arange(0, BLOCK_N)
+                k_ok = j < hi
+                pos = tl.where(j < sink_end, j, recent + j - sink_end)
+                if RING:
+                    slot = tl.load(table_ptr + b * table_stride).to(tl.int32) + tl.where(pos < sink, pos, sink + (pos - sink) % ring_mod)
+                else:
+                    page = tl.load(table_ptr + b * table_stride + pos // page_size, mask=k_ok, other=0).to(tl.int32)
+                    slot = page * page_size + pos % page_size
+                slot = slot.to(tl.int64)
+                k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + dims[None, :], mask=k_ok[:, None], other=0.0)
+                v = tl.load(V + slot[:, None] * stride_kt + kvh * stride_kh + dims[None, :], mask=k_ok[:, None], other=0.0)
+                visible = (pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
+                visible &= (~windowed) | (pos[None, :] < sink) | (pos[None, :] > q_pos[:, None] - window)
+                m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e, MASKED=True, IEEE=IEEE)
 
         tok = tok_off + qi
         if SPLIT:
@@ -355,9 +367,14 @@ def paged_attention(
         # [128, 256] query rows over 64-key tiles, 8 warps: 21.1 against 24.2 ms for the [64, 256]
         # decode tile (8192 queries over 73,728 keys on the H200; tuning/tune_attention_prefill_s10.json)
         block_n, num_warps, num_stages = 64, num_warps or 8, num_stages or 2
+    elif big_tile and block_n is None and not meta.ring and not meta.may_window and meta.page_size % 64 == 0:
+        # a [64, 256] fp32 accumulator over whole pages (the contiguous-tile path): 64-key tiles, 3
+        # stages: 0.50 against 0.52 ms for 32-key tiles, 4 stages (7 verify queries over 1.04M keys,
+        # H200; tuning/s14/attn_table_prefetch)
+        block_n, num_warps, num_stages = 64, num_warps or 4, num_stages or 3
     elif big_tile and block_n is None:
-        # a [64, 256] fp32 accumulator: 4 warps over 32-key tiles, 2 stages measured best on the
-        # H200 (0.78 vs 1.02 ms for 7 verify queries over 1.04M keys; tune_attention / attention_insitu)
+        # the general path: 4 warps over 32-key tiles, 2 stages measured best on the H200 (0.78 vs
+        # 1.02 ms for 7 verify queries over 1.04M keys; tune_attention / attention_insitu)
         block_n, num_warps, num_stages = 32, num_warps or 4, num_stages or 2
     block_n = block_n or 64
     max_splits = max(1, math.ceil(meta.max_keys / block_n))
