@@ -221,10 +221,12 @@ def test_meta_rejects_two_windows():
 @pytest.mark.parametrize("dim", [128, 256])
 def test_bf16_real_head_dims_gpu(dim):
     """The 35B shape: 16 q heads, 2 KV heads, head_dim 256 (and 128), bf16 in, fp32 accumulate:
-    verify / decode, a prefill chunk (the [128, 256] prefill tile at head_dim 256), the draft ring."""
-    case = _case(4, 16, 2, dim, q_lens=[7, 1], starts=[5000, 300], windows=[None, None], ring=False, page=16,
-                 dtype=torch.bfloat16)
-    _compare(case, atol=2e-2)
+    verify / decode over pages of 16 (the general loop) and 64 (whole 64-key tiles, the contiguous
+    path's verify launch), a prefill chunk (the [128, 256] prefill tile at head_dim 256), the draft ring."""
+    for page in (16, 64):
+        case = _case(4, 16, 2, dim, q_lens=[7, 1], starts=[5000, 300], windows=[None, None], ring=False, page=page,
+                     dtype=torch.bfloat16)
+        _compare(case, atol=2e-2)
     for page in (16, 64):
         case = _case(6, 16, 2, dim, q_lens=[PREFILL_MIN_Q + 70, 2], starts=[700, 9], windows=[None, None],
                      ring=False, page=page, dtype=torch.bfloat16)

@@ -367,9 +367,10 @@ def paged_attention(
         # [128, 256] query rows over 64-key tiles, 8 warps: 21.1 against 24.2 ms for the [64, 256]
         # decode tile (8192 queries over 73,728 keys on the H200; tuning/tune_attention_prefill_s10.json)
         block_n, num_warps, num_stages = 64, num_warps or 8, num_stages or 2
-    elif big_tile and block_n is None and not meta.ring and not meta.may_window and meta.page_size % 64 == 0:
-        # a [64, 256] fp32 accumulator over whole pages (the contiguous-tile path): 64-key tiles, 3
-        # stages: 0.50 against 0.52 ms for 32-key tiles, 4 stages (7 verify queries over 1.04M keys,
+    elif (big_tile and block_n is None and not meta.ring and not meta.may_window and meta.page_size % 64 == 0
+          and k_cache.element_size() == 2):
+        # a [64, 256] fp32 accumulator over whole pages (the contiguous-tile path; 16-bit K / V, whose
+        # three stages of 64-key tiles fit in shared memory): 64-key tiles, 3 stages: 0.50 against 0.52 ms for 32-key tiles, 4 stages (7 verify queries over 1.04M keys,
         # H200; tuning/s14/attn_table_prefetch)
         block_n, num_warps, num_stages = 64, num_warps or 4, num_stages or 3
     elif big_tile and block_n is None:
