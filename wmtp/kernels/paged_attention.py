@@ -16,9 +16,10 @@ Design (flash-decoding):
 - The virtual range is cut into splits so one request over 1M keys fills the GPU; a second kernel
   merges the splits' (max, sum, unnormalised output) exactly.
 - Without a window over paged KV (target decode / verify, native draft) a ``BLOCK_N`` tile of keys
-  lies inside one page: its address is one scalar (the page) plus a loop-invariant offset tile, and
-  the tiles every query sees whole skip the masks. Only the tail tiles (the causal edge, the
-  split's end) take the general masked path.
+  lies inside one page: its address is one scalar (the page, loaded a tile ahead) plus a
+  loop-invariant offset tile, and the tiles every query sees whole skip the masks. The tail tiles
+  (the causal edge, the split's end) keep that addressing and add the masks; the general loop
+  (per-key positions and slots: windows, the ring) is not compiled into this path at all.
 """
 
 from __future__ import annotations
