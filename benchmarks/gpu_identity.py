@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--page-size", type=int, default=64, help="KV page (64: the attention's contiguous path)")
     a = ap.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 500) for _ in range(rng.choice([5, 40, 120, 300]))] for _ in range(a.prompts)]
@@ -33,7 +34,7 @@ def main() -> None:
             for mode, ring in (("dense", True), ("native", True), ("windowed", True), ("windowed", False)):
                 spec = SpecConfig(mode=mode, num_draft_tokens=1 if mode == "dense" else 5, window=32, sink=4, ring=ring)
                 llm = LLM(preset, spec=spec, device="cuda", dtype=dtype, max_model_len=512, max_num_seqs=8,
-                          prefill_chunk=64, backend="triton")
+                          page_size=a.page_size, prefill_chunk=64, backend="triton")
                 outs[f"{mode}{'' if ring else '-noring'}"] = [o.token_ids for o in llm.generate(prompts, params)]
             ref = outs["dense"]
             for name, got in outs.items():
@@ -41,7 +42,8 @@ def main() -> None:
                 rows.append({"preset": preset, "dtype": dtype, "mode": name, "differing_tokens": diff,
                              "tokens": sum(map(len, ref))})
                 print(f"{preset:18s} {dtype:9s} {name:17s} differing tokens vs dense: {diff} / {sum(map(len, ref))}")
-    meta = {"hardware": torch.cuda.get_device_name(), "backend": "triton", "window": 32, "sink": 4, "d": 5}
+    meta = {"hardware": torch.cuda.get_device_name(), "backend": "triton", "window": 32, "sink": 4, "d": 5,
+            "page_size": a.page_size}
     with open(a.out, "w") as f:
         json.dump({"kind": "gpu_identity", "meta": meta, "rows": rows}, f, indent=1)
 

@@ -197,7 +197,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ring", action="store_true", help="keep the full-length draft pool in windowed mode")
     p.add_argument("--max-model-len", type=int, default=4096, help="prompt + max_tokens limit per request")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests running at once")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=64,
+                   help="KV page in tokens (multiples of 64 take the GPU attention's fast path)")
     p.add_argument("--num-kv-pages", type=int, default=None, help="default: max_num_seqs full-length requests")
     p.add_argument("--kv-memory-gb", type=float, default=None, help="size the KV pools from a byte budget instead")
     p.add_argument("--prefill-chunk", type=int, default=512)

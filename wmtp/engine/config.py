@@ -93,7 +93,9 @@ class EngineConfig:
 
     max_model_len: int = 4096
     max_num_seqs: int = 8
-    page_size: int = 16
+    # 64: pages of whole 64-key tiles take the attention kernel's contiguous path (one scalar page
+    # per tile, no per-key lookups); every GPU figure in benchmarks/results/h200 ran at 64
+    page_size: int = 64
     num_kv_pages: int | None = None  # default: enough for max_num_seqs requests of max_model_len
     kv_memory_bytes: int | None = None  # alternative: size the pools from a byte budget
     prefill_chunk: int = 512

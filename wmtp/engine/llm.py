@@ -43,7 +43,7 @@ class LLM:
         dtype: str | torch.dtype | None = None,
         max_model_len: int = 4096,
         max_num_seqs: int = 8,
-        page_size: int = 16,
+        page_size: int = 64,
         num_kv_pages: int | None = None,
         kv_memory_bytes: int | None = None,
         prefill_chunk: int = 512,
