@@ -186,7 +186,7 @@ if triton is not None:
             # the tail (the causal edge, the split's end) still has one page per tile: the same scalar
             # addressing with masks. The general loop's [BLOCK_N, D] int64 addresses, compiled beside
             # the main loop, cost it registers: 7 queries over 1.04M keys ran 0.55 ms with them,
-            # 0.50 without (64-key tiles, H200; tuning/s14/attn_table_prefetch)
+            # 0.50 without (64-key tiles, H200; tuning/s14/attn_variants)
             for j0 in range(full_end, hi, BLOCK_N):
                 base = (tl.load(table_ptr + b * table_stride + j0 // page_size).to(tl.int32) * page_size
                         + j0 % page_size).to(tl.int64) * stride_kt + kvh * stride_kh
@@ -364,15 +364,16 @@ def paged_attention(
     B = meta.q_len.shape[0]
     programs = B * num_q_blocks * n_kv
     big_tile = D >= 256 and block_q * group_p >= 64
+    # no window and no ring: keys are positions, so tiles of whole pages take the contiguous path
+    plain_pages = not meta.ring and not meta.may_window
     if big_tile and block_n is None and prefill_tile:
         # [128, 256] query rows over 64-key tiles, 8 warps: 21.1 against 24.2 ms for the [64, 256]
         # decode tile (8192 queries over 73,728 keys on the H200; tuning/tune_attention_prefill_s10.json)
         block_n, num_warps, num_stages = 64, num_warps or 8, num_stages or 2
-    elif (big_tile and block_n is None and not meta.ring and not meta.may_window and meta.page_size % 64 == 0
-          and k_cache.element_size() == 2):
-        # a [64, 256] fp32 accumulator over whole pages (the contiguous-tile path; 16-bit K / V, whose
-        # three stages of 64-key tiles fit in shared memory): 64-key tiles, 3 stages: 0.50 against 0.52 ms for 32-key tiles, 4 stages (7 verify queries over 1.04M keys,
-        # H200; tuning/s14/attn_table_prefetch)
+    elif big_tile and block_n is None and plain_pages and meta.page_size % 64 == 0 and k_cache.element_size() == 2:
+        # a [64, 256] fp32 accumulator over whole pages (16-bit K / V: three stages of 64-key tiles
+        # fit in shared memory): 0.50 against 0.52 ms for 32-key tiles, 4 stages (7 verify queries
+        # over 1.04M keys, H200; tuning/s14/attn_variants, attn_table_prefetch)
         block_n, num_warps, num_stages = 64, num_warps or 4, num_stages or 3
     elif big_tile and block_n is None:
         # the general path: 4 warps over 32-key tiles, 2 stages measured best on the H200 (0.78 vs
@@ -389,7 +390,7 @@ def paged_attention(
     out = torch.empty_like(q)
     gate_strides = gate.stride()[:2] if gate is not None else (0, 0)
     split = num_splits > 1
-    contig = not meta.ring and not meta.may_window and meta.page_size % block_n == 0
+    contig = plain_pages and meta.page_size % block_n == 0
     if split:
         o_part = torch.empty(num_splits, T, H, D, device=q.device, dtype=torch.float32)
         m_part = torch.empty(num_splits, T, H, device=q.device, dtype=torch.float32)
