@@ -136,6 +136,20 @@ def test_contiguous_tiles_inside_pages(page, block_n, splits):
     _compare(case, splits, block_n=block_n)
 
 
+@pytest.mark.parametrize("dim", [8, 80])
+def test_head_dims_that_are_not_powers_of_two(dim):
+    """Real checkpoints have head_dim 64, 80, 96, 112, 128, 256 (and toy ones 8): the kernel pads
+    to a power of 2 >= 16 with masks. Paged over whole pages (the contiguous path) with splits
+    (the merge), a windowed ring, and the gated single-split store."""
+    case = _case(11, 4, 2, dim, q_lens=[3, 1], starts=[70, 20], windows=[None] * 2, ring=False, page=16)
+    _compare(case, 3, block_n=16)
+    case = _case(12, 4, 2, dim, q_lens=[1, 4], starts=[30, 50], windows=[W] * 2, ring=True)
+    _compare(case, 2)
+    case = _case(13, 4, 2, dim, q_lens=[2], starts=[9], windows=[None], ring=False)
+    gate = torch.randn(2, 4, dim, generator=torch.Generator().manual_seed(1))
+    _compare(case, 1, gate=gate)
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_windowed_draft_over_ring(splits):
     """Draft steps and extend: the window rule and the ring slot map, per request."""
@@ -236,17 +250,18 @@ def test_bf16_real_head_dims_gpu(dim):
     _compare(case, atol=2e-2)
 
 
+@pytest.mark.whole_tiles
 @pytest.mark.parametrize("preset,mode", [("tiny-llama", "windowed"), ("tiny-qwen3.5-moe", "native")])
 def test_engine_greedy_identical_with_triton_backend(preset, mode):
     """The whole engine on the Triton backend (prefill chunks, draft window, ring, verify) emits the
     same greedy tokens as on the reference backend."""
+    from tests.helpers import tiny_model
     from wmtp import LLM, SamplingParams, SpecConfig
 
     spec = SpecConfig(mode=mode, num_draft_tokens=3, window=8, sink=2)
     prompts = [[5, 9, 3] * 6, [7] * 13]  # longer than sink + W, small: the interpreter is slow
     outs = []
-    for backend in ("torch", "triton"):
-        llm = LLM(preset, spec=spec, device=DEVICE, max_model_len=64, max_num_seqs=2, prefill_chunk=16,
-                  backend=backend)
+    for backend in ("torch", "triton"):  # the same weights (seed) on both
+        llm = LLM(tiny_model(preset, DEVICE, backend), spec=spec, max_model_len=64, max_num_seqs=2, prefill_chunk=16)
         outs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))])
     assert outs[0] == outs[1]

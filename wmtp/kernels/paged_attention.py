@@ -125,8 +125,8 @@ if triton is not None:
         stride_ps, stride_pt, stride_ph,
         num_q_blocks, num_splits, scale_log2e, page_size, sink, window, ring_mod,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-        RING: tl.constexpr, CONTIG: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr,
-        PDL: tl.constexpr,
+        BLOCK_D: tl.constexpr, RING: tl.constexpr, CONTIG: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+        GATED: tl.constexpr, PDL: tl.constexpr,
     ):
         wait_prior(PDL)
         pid = tl.program_id(0)
@@ -150,9 +150,12 @@ if triton is not None:
         head = kvh * GROUP + rows % GROUP_P
         row_ok = (qi < q_len) & (rows % GROUP_P < GROUP)
         q_pos = q_start + qi
-        dims = tl.arange(0, D)
+        # head dims padded to a power of 2 (80, 96, 112, ...): the padding loads zeros, which add
+        # nothing to q.k, and its output columns are never stored
+        dims = tl.arange(0, BLOCK_D)
+        d_ok = dims < D
         q = tl.load(Q + (tok_off + qi)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                    mask=row_ok[:, None], other=0.0)
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
         # virtual key range of this query block (see module docstring)
         q_first = q_start + qb * BLOCK_Q
@@ -168,7 +171,7 @@ if triton is not None:
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         if CONTIG:
             # whole tiles at or before the first query: position = j, one page per tile, no masks
             full_end = lo + tl.maximum(tl.minimum(hi, q_first + 1) - lo, 0) // BLOCK_N * BLOCK_N
@@ -180,8 +183,12 @@ if triton is not None:
                 base = (tile_page * page_size + j0 % page_size).to(tl.int64) * stride_kt + kvh * stride_kh
                 nxt = j0 + BLOCK_N
                 tile_page = tl.load(table_ptr + b * table_stride + nxt // page_size, mask=nxt < full_end, other=0).to(tl.int32)
-                k = tl.load(K + base + tile)
-                v = tl.load(V + base + tile)
+                if BLOCK_D == D:
+                    k = tl.load(K + base + tile)
+                    v = tl.load(V + base + tile)
+                else:
+                    k = tl.load(K + base + tile, mask=d_ok[None, :], other=0.0)
+                    v = tl.load(V + base + tile, mask=d_ok[None, :], other=0.0)
                 m_i, l_i, acc = _softmax_step(q, k, v, True, m_i, l_i, acc, scale_log2e, MASKED=False, IEEE=IEEE)
             # the tail (the causal edge, the split's end) still has one page per tile: the same scalar
             # addressing with masks. The general loop's [BLOCK_N, D] int64 addresses, compiled beside
@@ -192,8 +199,8 @@ if triton is not None:
                         + j0 % page_size).to(tl.int64) * stride_kt + kvh * stride_kh
                 j = j0 + tl.arange(0, BLOCK_N)
                 k_ok = j < hi
-                k = tl.load(K + base + tile, mask=k_ok[:, None], other=0.0)
-                v = tl.load(V + base + tile, mask=k_ok[:, None], other=0.0)
+                k = tl.load(K + base + tile, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                v = tl.load(V + base + tile, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
                 visible = (j[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
                 m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e, MASKED=True, IEEE=IEEE)
         else:
@@ -207,8 +214,9 @@ if triton is not None:
                     page = tl.load(table_ptr + b * table_stride + pos // page_size, mask=k_ok, other=0).to(tl.int32)
                     slot = page * page_size + pos % page_size
                 slot = slot.to(tl.int64)
-                k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + dims[None, :], mask=k_ok[:, None], other=0.0)
-                v = tl.load(V + slot[:, None] * stride_kt + kvh * stride_kh + dims[None, :], mask=k_ok[:, None], other=0.0)
+                kv_ok = k_ok[:, None] & d_ok[None, :]
+                k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + dims[None, :], mask=kv_ok, other=0.0)
+                v = tl.load(V + slot[:, None] * stride_kt + kvh * stride_kh + dims[None, :], mask=kv_ok, other=0.0)
                 visible = (pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
                 visible &= (~windowed) | (pos[None, :] < sink) | (pos[None, :] > q_pos[:, None] - window)
                 m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e, MASKED=True, IEEE=IEEE)
@@ -216,16 +224,17 @@ if triton is not None:
         tok = tok_off + qi
         if SPLIT:
             base = split * stride_ps + tok * stride_pt + head * stride_ph
-            tl.store(OPart + base[:, None] + dims[None, :], acc, mask=row_ok[:, None])
+            tl.store(OPart + base[:, None] + dims[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
             tl.store(MPart + base // D, m_i, mask=row_ok)
             tl.store(LPart + base // D, l_i, mask=row_ok)
         else:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            out_ok = row_ok[:, None] & d_ok[None, :]
             if GATED:
                 out = _gated(out, tl.load(Gate + tok[:, None] * stride_gt + head[:, None] * stride_gh + dims[None, :],
-                                          mask=row_ok[:, None], other=0.0))
+                                          mask=out_ok, other=0.0))
             tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                     out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+                     out.to(Out.dtype.element_ty), mask=out_ok)
 
     @triton.jit
     def _merge_splits_kernel(OPart, MPart, LPart, Out, Gate, num_splits, rows, stride_ot, stride_oh, stride_gt,
@@ -241,6 +250,7 @@ if triton is not None:
         tok = r // H
         head = r % H
         dims = db * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_ok = dims < D
         m_max = tl.full([BLOCK_S], float("-inf"), tl.float32)
         for s0 in range(0, num_splits, BLOCK_S):
             sp = s0 + tl.arange(0, BLOCK_S)
@@ -255,13 +265,14 @@ if triton is not None:
             ok = m_sp != float("-inf")  # empty splits (short contexts under a fixed grid) are not read
             w = tl.where(ok, tl.exp2(m_sp - m), 0.0)
             denom += w * tl.load(LPart + sp * rows + r, mask=ok, other=0.0)
-            o = tl.load(OPart + (sp[:, None] * rows + r) * D + dims[None, :], mask=ok[:, None], other=0.0)
+            o = tl.load(OPart + (sp[:, None] * rows + r) * D + dims[None, :], mask=ok[:, None] & d_ok[None, :],
+                        other=0.0)
             acc += tl.sum(o * w[:, None], 0)
         total = tl.sum(denom, 0)
         out = acc / tl.where(total == 0.0, 1.0, total)
         if GATED:
-            out = _gated(out, tl.load(Gate + tok * stride_gt + head * stride_gh + dims))
-        tl.store(Out + tok * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty))
+            out = _gated(out, tl.load(Gate + tok * stride_gt + head * stride_gh + dims, mask=d_ok, other=0.0))
+        tl.store(Out + tok * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
 if triton is not None:
@@ -348,12 +359,13 @@ def paged_attention(
         raise ValueError(f"paged_attention: gate {tuple(gate.shape)} must match q {tuple(q.shape)} with unit stride on D")
     prefill = meta.max_q_len > PREFILL_MIN_Q
     # 16-bit K / V only: fp32 tiles of this size overflow shared memory
-    prefill_tile = prefill and D >= 256 and k_cache.element_size() == 2
+    prefill_tile = prefill and D >= 256 and k_cache.element_size() == 2 and D & (D - 1) == 0
     if gate is not None and prefill:
         return paged_attention(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, num_stages,
                                max_rows) * torch.sigmoid(gate)
-    if H % n_kv or D & (D - 1) or D < 16:
-        raise ValueError(f"paged_attention: heads {H} must be a multiple of kv heads {n_kv}; head_dim {D} a power of 2 >= 16")
+    if H % n_kv:
+        raise ValueError(f"paged_attention: heads {H} must be a multiple of kv heads {n_kv}")
+    block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs >= 16 along K
     group = H // n_kv
     group_p = triton.next_power_of_2(group)
     max_rows = max_rows or (128 if prefill_tile else 64)
@@ -363,7 +375,7 @@ def paged_attention(
     num_q_blocks = math.ceil(meta.max_q_len / block_q)
     B = meta.q_len.shape[0]
     programs = B * num_q_blocks * n_kv
-    big_tile = D >= 256 and block_q * group_p >= 64
+    big_tile = block_d >= 256 and block_q * group_p >= 64
     # no window and no ring: keys are positions, so tiles of whole pages take the contiguous path
     plain_pages = not meta.ring and not meta.may_window
     if big_tile and block_n is None and prefill_tile:
@@ -405,17 +417,17 @@ def paged_attention(
         *gate_strides,
         T * H * D, H * D, D,
         num_q_blocks, num_splits, scale * 1.4426950408889634, meta.page_size, meta.sink, meta.window, meta.ring_mod,
-        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, RING=meta.ring, CONTIG=contig, SPLIT=split,
-        IEEE=q.dtype == torch.float32, GATED=gate is not None, **pdl(q.device),
+        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, BLOCK_D=block_d, RING=meta.ring,
+        CONTIG=contig, SPLIT=split, IEEE=q.dtype == torch.float32, GATED=gate is not None, **pdl(q.device),
         num_warps=num_warps or 4,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if split:
         block_s = min(MERGE_MAX_BLOCK_S, triton.next_power_of_2(num_splits))
-        block_d = max(16, min(D, 64, MERGE_TILE // block_s))
-        _merge_splits_kernel[(T * H, D // block_d)](
+        merge_d = max(16, min(block_d, 64, MERGE_TILE // block_s))
+        _merge_splits_kernel[(T * H, triton.cdiv(D, merge_d))](
             o_part, m_part, l_part, out, out if gate is None else gate, num_splits, T * H, out.stride(0),
             out.stride(1), *gate_strides, H,
-            D=D, BLOCK_D=block_d, BLOCK_S=block_s, GATED=gate is not None, **pdl(q.device),
+            D=D, BLOCK_D=merge_d, BLOCK_S=block_s, GATED=gate is not None, **pdl(q.device),
         )
     return out
