@@ -93,10 +93,11 @@ def time_mode(model, mode: str, a: argparse.Namespace, bandwidth: float) -> dict
     elt = torch.empty(0, dtype=eng.dtype).element_size()
     sb = step_bytes(model, spec, a.context, counter.mean_distinct(), elt)
     floor = sb.total / bandwidth
-    pools = eng.memory.bytes_report()
+    pools, compiled = eng.memory.bytes_report(), eng.compiled_steps
     del eng
     release_pools(model)
-    row = {"mode": mode, "S": a.context, "d": spec.verify_tokens, "B": 1, "forced_accept": k}
+    row = {"mode": mode, "S": a.context, "d": spec.verify_tokens, "B": 1, "forced_accept": k,
+           "compiled_steps": compiled}
     for key, times in (("t_iter", overlapped), ("t_iter_sync", synced)):
         med, q = statistics.median(times), statistics.quantiles(times, n=10)
         row.update({f"{key}_s": [med], f"{key}_p10_s": [q[0]], f"{key}_p90_s": [q[-1]], f"{key}_over_floor": med / floor})
@@ -205,12 +206,33 @@ def admission(model, mode: str, a: argparse.Namespace) -> dict:
             "pools": mem, "per_request_bytes": per_req, "step_s": t}
 
 
+def revision() -> str:
+    """The commit results come from: ``WMTP_COMMIT`` (a copy of the tree without ``.git``, as on the
+    GPU machine, is told it), else git's HEAD with ``-dirty`` for uncommitted changes, else "unknown"."""
+    import os
+    import subprocess
+
+    if os.environ.get("WMTP_COMMIT"):
+        return os.environ["WMTP_COMMIT"]
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def _meta(a: argparse.Namespace, synthetic: bool, runs: int = 1) -> dict:
     argv = getattr(a, "argv", None) or sys.argv[1:]  # cli.main records its argv (tests call it in-process)
     return {
         "hardware": hardware_name(getattr(a, "device", "cuda")), "model": a.preset,
         "dtype": getattr(a, "dtype", None) or "bfloat16", "synthetic": synthetic, "runs": runs,
         "command": "wmtp " + " ".join(argv), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+        "commit": revision(),
     }
 
 

@@ -1,4 +1,4 @@
-"""``wmtp bench context|depth|phases|verify-by-k|window|batch|memory|suite``: the issue-5 sweeps.
+"""``wmtp bench context|depth|phases|verify-by-k|window|batch|memory|suite``: the cost sweeps.
 
 Every sweep runs on SYNTHETIC context with FORCED acceptance (costs only; DESIGN §6) and writes one
 schema-valid results file (``wmtp/analysis/SCHEMA.md``) into ``--out``:
@@ -287,7 +287,11 @@ def _meta(a: argparse.Namespace, bench: Bench, sweep: Sweep) -> dict:
 def write_sweep(a: argparse.Namespace, bench: Bench, sweep: Sweep, plan: Plan, res: Results) -> Path:
     from wmtp.analysis.report import write_results
 
-    rows = [row for c, m in plan for row in sweep.rows(a, c, res.get(c, m)[: m.runs])]
+    rows = []
+    for c, m in plan:
+        runs = res.get(c, m)[: m.runs]
+        # per run: whether the decode graphs' bookkeeping ran compiled (None: no graph set, e.g. memory)
+        rows += [{**row, "compiled_steps": [r.get("compiled_steps") for r in runs]} for row in sweep.rows(a, c, runs)]
     return write_results(Path(a.out) / f"{sweep.kind}.json", sweep.kind, rows, _meta(a, bench, sweep))
 
 
@@ -347,7 +351,7 @@ def run_sweeps(a: argparse.Namespace, names: list[str]) -> int:
             t0 = time.perf_counter()
             with open_cell(bench, cell, run, max_tokens, any(m.randomize for m in todo)) as cr:
                 for m in todo:
-                    out = m(cr)
+                    out = {**m(cr), "compiled_steps": cr.eng.compiled_steps}
                     res.add(cell, m, run, out)
                     print(f"[{i}/{len(cells)}] {cell.label()} run {run + 1}: {describe(m, out)}", flush=True)
             took[cell] = time.perf_counter() - t0

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from wmtp.engine.config import EngineConfig, SpecConfig
-from wmtp.engine.graphs import DecodeGraphs
+from wmtp.engine.graphs import BatchRow, DecodeGraphs
 from wmtp.engine.memory import Allocation, MemoryManager
 from wmtp.engine.metrics import EngineMetrics, RequestMetrics
 from wmtp.engine.sampling import SamplingParams, accept_greedy, accept_speculative, filtered_probs, sample
@@ -415,7 +415,8 @@ class Engine:
         if self._graph_mode == "capture" and not self.model.backend.capturable_moe(B * self.spec.verify_tokens, cfg, self.dtype):
             return None
         if B not in self.graphs:
-            self.graphs[B] = DecodeGraphs(self, B, capture=self._graph_mode == "capture", pool=self._graph_pool)
+            self.graphs[B] = DecodeGraphs(self.model, self.spec, self.eng, self.memory, B,
+                                          capture=self._graph_mode == "capture", pool=self._graph_pool)
         return self.graphs[B]
 
     def _iteration_static(self, reqs: list[Request], graphs: DecodeGraphs) -> None:
@@ -434,7 +435,7 @@ class Engine:
         if pt is not None:
             pt.start()
         self._forget_rows(keep=graphs)
-        graphs.load(reqs, self.forced_accept)
+        graphs.load(self._batch_rows(reqs), self.forced_accept)
         if pt is None:
             graphs.run("iteration" if self.spec.gamma else "verify")
         else:  # the forwards replayed apart, each phase timed
@@ -451,6 +452,17 @@ class Engine:
         self._collect(launched)
         if pt is not None:
             pt.mark("verify_ovh")  # emission and metrics (host, after the sync)
+
+    def _batch_rows(self, reqs: list[Request]) -> list[BatchRow]:
+        ring = self.spec.uses_ring
+        return [BatchRow(r.id, r.page_rows[0], r.page_rows[1], self._ring_base(r) if ring else 0, len(r.tokens),
+                         r.tokens[-1], r.alloc.state_slot, r.draft_token, r.draft_hidden) for r in reqs]
+
+    @property
+    def compiled_steps(self) -> bool | None:
+        """Whether the bookkeeping of every decode-graph set built so far ran through torch.compile
+        (None: no set was built; results record it)."""
+        return all(g.compiled for g in self.graphs.values()) if self.graphs else None
 
     def _forget_rows(self, keep: DecodeGraphs | None = None) -> None:
         """The graph sets other than ``keep`` reload their rows on next use: the iteration about to

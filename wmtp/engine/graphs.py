@@ -38,14 +38,30 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
+from wmtp.engine.config import EngineConfig, SpecConfig
+from wmtp.engine.memory import MemoryManager
+from wmtp.engine.sampling import accept_greedy_batch
 from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
+from wmtp.models.model import CausalLM
 
-if TYPE_CHECKING:
-    from wmtp.engine.engine import Engine, Request
+
+@dataclass
+class BatchRow:
+    """What the graphs need of one request when its batch is uploaded (the engine builds these)."""
+
+    request_id: int
+    target_pages: torch.Tensor  # int32 device row: the request's reserved target pages
+    draft_pages: torch.Tensor | None  # the same for the native draft pool (None: ring, or dense)
+    ring_base: int  # first slot of its draft ring (ring mode)
+    length: int  # committed tokens L
+    last_token: int  # x_{L-1}
+    state_slot: int | None  # recurrent-state slot (hybrid targets)
+    draft_token: int | None  # d_1
+    draft_hidden: torch.Tensor | None  # the MTP output at slot L-2 [1, hidden]
 
 
 class _Staging:
@@ -83,16 +99,43 @@ class _Staging:
         self.dev.copy_(host.pin_memory() if self.pin else host, non_blocking=True)
 
 
-def _compiled(fn: Callable[..., None], device: torch.device) -> Callable[..., None]:
-    """``fn`` (pure torch, writing static buffers) through ``torch.compile`` on CUDA, where its small
-    ops fuse into a few kernels; as it is elsewhere and with ``WMTP_COMPILE=0``. The first call
-    compiles (the graphs' warm-up, before capture). Not ``fullgraph``: every graph set (batch size,
-    model, dtype) is a recompile of the same code, and past dynamo's recompile limit (8) a set runs
-    these steps eagerly, where ``fullgraph`` would raise (it did, in the 24 engines of
-    benchmarks/gpu_identity.py)."""
-    if device.type != "cuda" or os.environ.get("WMTP_COMPILE") == "0":
-        return fn
-    return torch.compile(fn, dynamic=False)
+class _StepCompiler:
+    """``torch.compile`` for one graph set's bookkeeping steps (pure torch, writing static buffers),
+    whose small ops fuse into a few kernels on CUDA; and which of them compiled.
+
+    A set needs its compiled steps only until it is captured (from then on the graph replays their
+    kernels), and each set is a new specialisation of the same code (its buffers, batch size, mode).
+    Dynamo's caches are therefore cleared before a set compiles, so no set ever meets the recompile
+    limit (8 per function), past which dynamo would run the steps eagerly without a word (a
+    ``bench suite`` of many engines did). ``compiled`` says whether every step went through the
+    compiler; results record it."""
+
+    def __init__(self) -> None:
+        torch.compiler.reset()
+        self.names: set[str] = set()
+        self.done: set[str] = set()
+
+    def __call__(self, name: str, fn: Callable[..., None]) -> Callable[..., None]:
+        def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+            self.done.add(name)
+            return torch._dynamo.lookup_backend(COMPILE_BACKEND)(gm, example_inputs)
+
+        self.names.add(name)
+        return torch.compile(fn, backend=backend, dynamic=False)
+
+    @property
+    def compiled(self) -> bool:
+        return self.names <= self.done
+
+
+COMPILE_BACKEND = "inductor"  # tests trace with dynamo's "eager" backend (the guards, no C++ build)
+
+
+def compile_steps(device: torch.device, capture: bool) -> bool:
+    """Whether a graph set compiles its bookkeeping steps: captured sets on CUDA; ``WMTP_COMPILE=0``
+    never, ``WMTP_COMPILE=1`` every set on any device (tests)."""
+    flag = os.environ.get("WMTP_COMPILE")
+    return flag == "1" or (flag != "0" and capture and device.type == "cuda")
 
 
 class DecodeGraphs:
@@ -100,12 +143,14 @@ class DecodeGraphs:
     requests of one engine. One iteration: ``load`` (a no-op while the batch is unchanged), ``run``
     chain / verify / accept / extend, ``fetch``, then ``results`` (possibly after launching the next)."""
 
-    def __init__(self, engine: Engine, batch: int, capture: bool, pool=None) -> None:
-        self.eng, self.B = engine, batch
-        spec, cfg = engine.spec, engine.model.config
+    def __init__(self, model: CausalLM, spec: SpecConfig, cfg: EngineConfig, memory: MemoryManager, batch: int,
+                 capture: bool, pool=None) -> None:
+        self.model, self.spec, self.cfg, self.memory, self.B = model, spec, cfg, memory, batch
         self.gamma, self.d = spec.gamma, spec.verify_tokens
-        dev, B, d, g = engine.device, batch, self.d, max(self.gamma - 1, 0)
-        mem = engine.memory
+        weight = model.model.embed_tokens.weight
+        self.device, dtype = weight.device, weight.dtype
+        dev, B, d, g = self.device, batch, self.d, max(self.gamma - 1, 0)
+        mem = memory
         # loaded by the host when the batch changes: length (L), ver_x (x_{L-1}), state, forced,
         # pages (reserved target / draft pages); the rest is derived on the device by _stage
         self.stage = _Staging({
@@ -116,9 +161,9 @@ class DecodeGraphs:
         # RoPE (cos, sin) of every forward's positions (stage.span("ver_pos", "chain_pos")), computed once
         # per iteration by _stage: rows [0, B·d) the verify's and the extend's (same positions), then the
         # chain steps' B each
-        rot = engine.model.rotary.rot_dim
+        rot = model.rotary.rot_dim
         self.rope_cos_sin = tuple(torch.zeros(B * d + g * B, rot, device=dev) for _ in range(2))
-        max_pages = mem.pages_for(engine.eng.max_model_len + spec.num_draft_tokens)
+        max_pages = mem.pages_for(cfg.max_model_len + spec.num_draft_tokens)
         self.target_table = torch.zeros(B, max_pages, dtype=torch.int32, device=dev)
         self.ring = spec.uses_ring
         self.draft_table = (torch.zeros(B, 1, dtype=torch.int64, device=dev) if self.ring
@@ -127,8 +172,9 @@ class DecodeGraphs:
         g1 = max(self.gamma, 1)
         self.out = torch.zeros(B, g1 + d + 3, dtype=torch.int64, device=dev)
         self.drafts, self.target, self.accepted, self.next_d1, self.length_out = self._results()
-        self.ver_hidden = torch.zeros(B * d, cfg.hidden_size, device=dev, dtype=engine.dtype)
-        self.next_hidden = torch.zeros(B, cfg.hidden_size, device=dev, dtype=engine.dtype)
+        hidden = model.config.hidden_size
+        self.ver_hidden = torch.zeros(B * d, hidden, device=dev, dtype=dtype)
+        self.next_hidden = torch.zeros(B, hidden, device=dev, dtype=dtype)
         self.ext_ids = torch.zeros(B, d, dtype=torch.int64, device=dev)
         self.ext_slot = torch.zeros(B, d, dtype=torch.int64, device=dev)
         self.ext_len = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -144,9 +190,13 @@ class DecodeGraphs:
         self._build_contexts()
         # the bookkeeping between the forwards (staging, acceptance, the extend's inputs, the advance) is
         # pure torch: eagerly about 80 tiny kernels an iteration (~1.5 us each in a graph, 0.13 ms at B = 1)
-        self.run_stage, self.run_accept_counts, self.run_extend_inputs, self.run_extend_outputs, self.run_advance = (
-            _compiled(fn, dev) for fn in (self._stage, self._accept_counts, self._extend_inputs, self._extend_outputs,
-                                          self._advance))
+        steps = {"stage": self._stage, "advance": self._advance}  # dense; speculative: advance in extend_outputs
+        if self.gamma:
+            steps = {"stage": self._stage, "accept_counts": self._accept_counts, "extend_inputs": self._extend_inputs,
+                     "extend_outputs": self._extend_outputs}
+        compiler = _StepCompiler() if compile_steps(dev, capture) else None
+        for name, fn in steps.items():
+            setattr(self, f"run_{name}", compiler(name, fn) if compiler else fn)
         self.graphs: dict[str, Callable[[], None]] = {}
         fns = {"verify": self._verify}
         if self.gamma:  # and all four as one replay: each graph launch adds a ~5 us gap on the GPU
@@ -154,6 +204,8 @@ class DecodeGraphs:
         for name, fn in fns.items():
             self.graphs[name] = self._capture(fn, pool) if capture else self._warm(fn)
         self._fill_safe()
+        # every step went through torch.compile (False: eager, by choice or by dynamo's fallback)
+        self.compiled = compiler is not None and compiler.compiled
 
     def _results(self) -> tuple[torch.Tensor, ...]:
         """Views of ``out``: drafts [B, max(γ, 1)], target [B, d], accepted, next d_1, L [B]. The
@@ -165,7 +217,7 @@ class DecodeGraphs:
 
     # ---- contexts over the static buffers ------------------------------------------------------
     def _lens(self, q_start: torch.Tensor, q_len: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
-        B, dev = self.B, self.eng.device
+        B, dev = self.B, self.device
         lens = q_len if isinstance(q_len, torch.Tensor) else torch.full((B,), q_len, dtype=torch.int64, device=dev)
         n = q_len if isinstance(q_len, int) else self.d
         return q_start, lens, torch.arange(B, dtype=torch.int64, device=dev) * n
@@ -174,24 +226,24 @@ class DecodeGraphs:
         """A context whose device fields are the static buffers; host lists only give shapes."""
         from wmtp.kernels.paged_attention import AttentionMeta
 
-        eng, spec, B = self.eng, self.eng.spec, self.B
+        spec, cfg, B = self.spec, self.cfg, self.B
         if target:
-            kv = PagedSlots(self.target_table, eng.eng.page_size)
-            windows, keys = None, eng.eng.max_model_len + spec.num_draft_tokens
+            kv = PagedSlots(self.target_table, cfg.page_size)
+            windows, keys = None, cfg.max_model_len + spec.num_draft_tokens
         else:
             window = spec.draft_window  # None in native mode
             kv = (RingSlots(self.draft_table.view(-1), window, spec.num_draft_tokens) if self.ring
-                  else PagedSlots(self.draft_table, eng.eng.page_size))
+                  else PagedSlots(self.draft_table, cfg.page_size))
             windows = None if window is None else [window] * B
-            keys = window.ring_size(spec.num_draft_tokens) if self.ring else eng.eng.max_model_len + spec.num_draft_tokens
+            keys = window.ring_size(spec.num_draft_tokens) if self.ring else cfg.max_model_len + spec.num_draft_tokens
         ctx = ForwardContext([0] * B, [q_len] * B, kv, self.stage.view("state") if target else None,
-                             windows=windows, device=eng.device, record_states=record)
+                             windows=windows, device=self.device, record_states=record)
         ctx.bind_static(positions.reshape(-1), slots.reshape(-1), lens)
         sink, win = (windows[0].sink, windows[0].window) if windows else (0, 1)
         table = kv.base.view(-1, 1) if self.ring and not target else kv.block_table
         ctx.backend_cache["attention_meta"] = AttentionMeta(
             lens[0], lens[1], lens[2], self.stage.view("windowed") if windows else torch.zeros_like(lens[1]),
-            table, 1 if (self.ring and not target) else eng.eng.page_size, self.ring and not target, sink, win,
+            table, 1 if (self.ring and not target) else cfg.page_size, self.ring and not target, sink, win,
             (win + spec.num_draft_tokens) if self.ring and not target else 1, q_len, keys, may_window=windows is not None)
         return ctx
 
@@ -200,7 +252,7 @@ class DecodeGraphs:
         self.ver_ctx = self._ctx(self.d, a.view("ver_pos"), a.view("ver_slot"), self._lens(a.view("ver_start"), self.d),
                                  target=True, record=self.gamma > 0)
         self.ver_ctx.rope = self._rope_rows(0, self.B * self.d)
-        self.ver_ids = torch.zeros(self.B, self.d, dtype=torch.int64, device=self.eng.device)
+        self.ver_ids = torch.zeros(self.B, self.d, dtype=torch.int64, device=self.device)
         if not self.gamma:
             return
         self.chain_ctx = [self._ctx(1, a.view("chain_pos")[i], a.view("chain_slot")[i],
@@ -218,7 +270,7 @@ class DecodeGraphs:
     def _fill_safe(self) -> None:
         """Every row inactive (L = 0): all writes go to the trash slots (warm-up, capture, and any
         run before ``load``); the derived fields follow at once."""
-        mem, B = self.eng.memory, self.B
+        mem, B = self.memory, self.B
         for name, value in (("length", 0), ("ver_x", 0), ("state", mem.trash_state_slot), ("forced", -1),
                             ("pages", 0), ("draft_pages", 0)):
             self.stage.set(name, [value] * B)
@@ -251,14 +303,14 @@ class DecodeGraphs:
         a.view("ver_pos").copy_(ver_pos)
         a.view("ver_start").copy_(Lc - 1)
         a.view("ver_slot").copy_(self.ver_ctx.kv_slots.batch_slots(ver_pos, a.view("pages"), self.trash_kv))
-        a.view("windowed").copy_(self.eng.spec.windowed(L))
+        a.view("windowed").copy_(self.spec.windowed(L))
         if self.gamma:
             a.view("ext_slot").copy_(self._draft_slots(ver_pos, active))
             if self.gamma > 1:
                 chain_pos = (Lc - 2)[None, :] + self.chain_steps  # [γ-1, B]: step i writes L-2+i
                 a.view("chain_pos").copy_(chain_pos)
                 a.view("chain_slot").copy_(self._draft_slots(chain_pos.T, active).T)
-        self.eng.model.rotary(a.span("ver_pos", "chain_pos"), out=self.rope_cos_sin)
+        self.model.rotary(a.span("ver_pos", "chain_pos"), out=self.rope_cos_sin)
 
     @torch.no_grad()
     def _advance(self) -> None:
@@ -274,7 +326,7 @@ class DecodeGraphs:
     @torch.no_grad()
     def _chain(self) -> None:
         self.run_stage()
-        model = self.eng.model
+        model = self.model
         ids, hid = self.next_d1, self.next_hidden  # the extend rewrites next_hidden only after the chain
         self.drafts[:, 0] = ids
         for i, ctx in enumerate(self.chain_ctx, start=1):
@@ -284,7 +336,7 @@ class DecodeGraphs:
     @torch.no_grad()
     def _verify(self) -> None:
         """(Dense mode: the whole iteration, its staging and advance included.)"""
-        model = self.eng.model
+        model = self.model
         if not self.gamma:
             self.run_stage()
         self.ver_ids[:, 0] = self.stage.view("ver_x")
@@ -301,12 +353,10 @@ class DecodeGraphs:
         """Accepted counts (greedy, or the staged forced count where >= 0), then the GDN rollback."""
         a = self.run_accept_counts()
         if self.ver_ctx.recorded:
-            self.eng.model.rollback_states(self.stage.view("state"), a, self.ver_ctx.recorded)
+            self.model.rollback_states(self.stage.view("state"), a, self.ver_ctx.recorded)
 
     def _accept_counts(self) -> torch.Tensor:
         """Writes the accepted counts into ``out`` and returns them as a contiguous [B] tensor."""
-        from wmtp.engine.sampling import accept_greedy_batch
-
         drafts, target, accepted, _, _ = self._results()
         forced = self.stage.view("forced")
         a = torch.where(forced >= 0, forced, accept_greedy_batch(drafts[:, : self.gamma], target))
@@ -316,7 +366,7 @@ class DecodeGraphs:
     @torch.no_grad()
     def _extend(self) -> None:
         """The draft-extend forward, then the next d_1 and MTP output, and the advance."""
-        model = self.eng.model
+        model = self.model
         self.run_extend_inputs()
         out = model.mtp_forward(self.ext_ids.view(-1), self.ver_hidden, self.ext_ctx)
         self.run_extend_outputs(out)
@@ -359,34 +409,32 @@ class DecodeGraphs:
         return graph.replay
 
     # ---- host side of one iteration ------------------------------------------------------------
-    def load(self, reqs: list[Request], forced: int | None) -> None:
+    def load(self, rows: list[BatchRow], forced: int | None) -> None:
         """Upload the batch's rows when they changed (``forced``: accept exactly this many drafts,
         benchmark-only): block tables, L, x_{L-1}, state slots, reserved pages, and the draft state
         (d_1 and the MTP output) unless the previous iteration's extend left it in ``next_d1`` /
         ``next_hidden``. Call only with no iteration of this set in flight."""
-        key = ([r.id for r in reqs], forced)
+        key = ([r.request_id for r in rows], forced)
         if key == self.loaded:
             return
-        eng, a = self.eng, self.stage
+        a = self.stage
         self.target_table.zero_()
-        for b, r in enumerate(reqs):
-            row = r.page_rows[0]
-            self.target_table[b, : row.numel()] = row
+        for b, r in enumerate(rows):
+            self.target_table[b, : r.target_pages.numel()] = r.target_pages
             if self.ring:
-                self.draft_table[b, 0] = eng._ring_base(r)
+                self.draft_table[b, 0] = r.ring_base
             elif self.gamma:
-                self.draft_table[b, : r.page_rows[1].numel()] = r.page_rows[1]
-        a.set("length", [len(r.tokens) for r in reqs])
-        a.set("ver_x", [r.tokens[-1] for r in reqs])
-        a.set("state", [eng.memory.trash_state_slot if r.alloc.state_slot is None else r.alloc.state_slot
-                        for r in reqs])
+                self.draft_table[b, : r.draft_pages.numel()] = r.draft_pages
+        a.set("length", [r.length for r in rows])
+        a.set("ver_x", [r.last_token for r in rows])
+        a.set("state", [self.memory.trash_state_slot if r.state_slot is None else r.state_slot for r in rows])
         a.set("forced", [-1 if forced is None else forced] * self.B)
-        a.set("pages", [len(r.alloc.pages) for r in reqs])
-        a.set("draft_pages", [len(r.alloc.draft_pages) for r in reqs])
+        a.set("pages", [r.target_pages.numel() for r in rows])
+        a.set("draft_pages", [0 if r.draft_pages is None else r.draft_pages.numel() for r in rows])
         a.upload()
-        if self.gamma and any(r.draft_hidden.data_ptr() != self.next_hidden[b].data_ptr() for b, r in enumerate(reqs)):
-            self.next_hidden.copy_(torch.cat([r.draft_hidden for r in reqs]))
-            self.next_d1.copy_(torch.tensor([r.draft_token for r in reqs]), non_blocking=False)
+        if self.gamma and any(r.draft_hidden.data_ptr() != self.next_hidden[b].data_ptr() for b, r in enumerate(rows)):
+            self.next_hidden.copy_(torch.cat([r.draft_hidden for r in rows]))
+            self.next_d1.copy_(torch.tensor([r.draft_token for r in rows]), non_blocking=False)
         self.loaded = key
 
     def run(self, name: str) -> None:
