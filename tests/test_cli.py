@@ -26,8 +26,13 @@ def test_make_checkpoint_then_generate_and_score(tmp_path, capsys):
     assert "perplexity" in capsys.readouterr().out
 
 
-def test_generate_bad_input_is_a_clear_error(capsys):
-    assert main(["generate", "--preset", "tiny-llama", "--prompt", "not numbers"]) == 2
+def test_generate_bad_input_is_a_clear_error(tmp_path, capsys):
+    ckpt = tmp_path / "no-tokenizer"
+    assert main(["make-checkpoint", "--preset", "tiny-llama", "--out", str(ckpt)]) == 0
+    (ckpt / "tokenizer.json").unlink()
+    assert main(["generate", "--model", str(ckpt), "--prompt", "not numbers"]) == 2
     assert "token ids" in capsys.readouterr().err
+    # a preset's random weights come with the built-in small tokenizer: text is fine
+    assert main(["generate", "--preset", "tiny-llama", "--prompt", "some words", "--max-tokens", "2"]) == 0
     assert main(["generate", "--preset", "tiny-llama", "--prompt", "1 2", "-d", "0"]) == 2
     assert "num_draft_tokens" in capsys.readouterr().err

@@ -283,6 +283,28 @@ def test_chat_without_template_and_text_without_tokenizer_are_400(offline):
     assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
 
 
+def test_a_preset_serves_text_prompts_with_the_built_in_tokenizer(ckpt):
+    """``serve --preset`` / ``LLM(preset)``: random weights come with the small tokenizer that
+    make-checkpoint writes (the same ids), so a text prompt and a chat are answered, not refused."""
+    llm = LLM("tiny-qwen3.5-moe", spec=SPEC, max_model_len=64, max_num_seqs=1)
+    text = "The quick brown fox, 2048 and 4032."
+    assert llm.tokenizer.encode(text) == TextTokenizer(ckpt).encode(text)
+    app = create_app(llm.engine, llm.tokenizer, MODEL, chat_template=llm.tokenizer.chat_template,
+                     eos_token_ids=checkpoint_eos_ids(None, llm.tokenizer))
+
+    async def both():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return [await c.post(path, json={"model": MODEL, **body, "max_tokens": 3, "temperature": 0})
+                    for path, body in ((C, {"prompt": text}), (CH, {"messages": MSGS}))]
+
+    async def served():
+        async with app.router.lifespan_context(app):  # starts the engine thread
+            return await both()
+
+    for r in asyncio.run(served()):
+        assert r.status_code == 200, r.text
+
+
 def test_pending_limit_is_429_and_the_waiter_still_completes(offline, monkeypatch):
     """The engine thread is held inside the first request's add_request, so the first request stays
     pending and the second finds the limit of 1 reached; released, the first completes normally."""

@@ -77,7 +77,7 @@ def score(a: argparse.Namespace) -> int:
     from wmtp.tokenizer import TextTokenizer
 
     model = wmtp.load_model(a.model or a.preset, device=a.device, dtype=a.dtype)
-    tok = TextTokenizer.maybe_load(a.model)
+    tok = TextTokenizer.for_model(a.model or a.preset, model.config.vocab_size)
     ids = tok.encode(a.prompt) if tok else [int(x) for x in a.prompt.split()]
     if len(ids) < 2:
         raise WmtpError(f"--prompt must give at least 2 tokens (got {len(ids)})")
@@ -93,7 +93,7 @@ register("score", "perplexity of a text under the target model", _score_args, sc
 def _generate_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory")
-    src.add_argument("--preset", help="preset name (random weights; give --prompt as token ids)")
+    src.add_argument("--preset", help="preset name (random weights, the built-in small tokenizer)")
     text = p.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="prompt text (or space-separated token ids without a tokenizer)")
     text.add_argument("--prompt-file", help="file holding the prompt")
@@ -126,23 +126,23 @@ def generate(a: argparse.Namespace) -> int:
     import wmtp
     from wmtp.tokenizer import TextTokenizer
 
+    from wmtp.models.backend import default_backend
+
     prompt = Path(a.prompt_file).read_text() if a.prompt_file else a.prompt
-    tok = TextTokenizer.maybe_load(a.model)
+    backend = default_backend(a.device) if a.backend == "auto" else a.backend
+    model = wmtp.load_model(a.model or a.preset, device=a.device, dtype=a.dtype, backend=backend)
+    tok = TextTokenizer.for_model(a.model or a.preset, model.config.vocab_size)
     if tok is not None:
         ids = tok.encode(prompt)
     else:
         try:
             ids = [int(x) for x in prompt.split()]
         except ValueError:
-            raise WmtpError("this model has no tokenizer.json: give --prompt as space-separated token ids") from None
+            raise WmtpError("this checkpoint has no tokenizer.json: give --prompt as space-separated token ids") from None
     spec = SpecConfig(mode=a.mode, num_draft_tokens=a.num_draft_tokens if a.mode != "dense" else 1,
                       window=a.window, sink=a.sink, ring=not a.no_ring)
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, max_tokens=a.max_tokens,
                             seed=a.seed, ignore_eos=a.ignore_eos)
-    from wmtp.models.backend import default_backend
-
-    backend = default_backend(a.device) if a.backend == "auto" else a.backend
-    model = wmtp.load_model(a.model or a.preset, device=a.device, dtype=a.dtype, backend=backend)
     eng = Engine(model, spec, EngineConfig(max_model_len=a.max_model_len or len(ids) + a.max_tokens,
                                            max_num_seqs=1, prefill_chunk=a.prefill_chunk))
     rid = eng.add_request(ids, params)
@@ -188,7 +188,7 @@ register("bench", "benchmarks: decode-step cost per mode, TTFT, and the sweeps (
 def _serve_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory")
-    src.add_argument("--preset", help="preset name (random weights, no tokenizer: prompts as token ids)")
+    src.add_argument("--preset", help="preset name (random weights, the built-in small tokenizer)")
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: directory name)")
     p.add_argument("--mode", choices=["dense", "native", "windowed"], default="windowed")
     p.add_argument("--num-draft-tokens", "-d", type=int, default=4, help="d = γ + 1 verify tokens")

@@ -32,9 +32,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_tokenizer(vocab_size: int, out_dir: str | Path) -> Path:
-    """Train a byte-level BPE of at most ``vocab_size`` tokens (specials first: ids 0, 1, 2) and write
-    tokenizer.json + tokenizer_config.json (with a ChatML template) into ``out_dir``."""
+def _train_tiny(vocab_size: int):
+    """A byte-level BPE of at most ``vocab_size`` tokens (specials first: ids 0, 1, 2), trained on
+    the text above (deterministic)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     size = min(vocab_size, 1024)
@@ -48,18 +48,27 @@ def build_tiny_tokenizer(vocab_size: int, out_dir: str | Path) -> Path:
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return tok
+
+
+TINY_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "eos_token": "<|endoftext|>",
+    "pad_token": "<|endoftext|>",
+    "bos_token": None,
+    "model_max_length": 1048576,
+    "chat_template": CHAT_TEMPLATE,
+}
+
+
+def build_tiny_tokenizer(vocab_size: int, out_dir: str | Path) -> Path:
+    """Write the small byte-level BPE (``_train_tiny``) as tokenizer.json + tokenizer_config.json
+    (with a ChatML template) into ``out_dir``."""
+    tok = _train_tiny(vocab_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
-        "bos_token": None,
-        "model_max_length": 1048576,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(json.dumps(TINY_CONFIG, indent=2) + "\n")
     return out
 
 
@@ -70,9 +79,12 @@ class TextTokenizer:
         from tokenizers import Tokenizer
 
         path = Path(path)
-        self.tok = Tokenizer.from_file(str(path / "tokenizer.json"))
         cfg_file = path / "tokenizer_config.json"
-        self.config = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        self._set(Tokenizer.from_file(str(path / "tokenizer.json")),
+                  json.loads(cfg_file.read_text()) if cfg_file.exists() else {})
+
+    def _set(self, tok, config: dict) -> None:
+        self.tok, self.config = tok, config
         eos = self.config.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
         self.eos_token_id = self.tok.token_to_id(eos) if eos else None
@@ -80,6 +92,21 @@ class TextTokenizer:
     @classmethod
     def maybe_load(cls, path: str | Path | None) -> "TextTokenizer | None":
         return cls(path) if path is not None and (Path(path) / "tokenizer.json").exists() else None
+
+    @classmethod
+    def builtin(cls, vocab_size: int) -> "TextTokenizer":
+        """The small tokenizer ``make-checkpoint`` writes, built in memory (a preset's random weights
+        have no checkpoint directory)."""
+        self = cls.__new__(cls)
+        self._set(_train_tiny(vocab_size), dict(TINY_CONFIG))
+        return self
+
+    @classmethod
+    def for_model(cls, model: str, vocab_size: int) -> "TextTokenizer | None":
+        """A checkpoint directory's tokenizer (None if it has none); a preset's built-in one."""
+        if Path(model).is_dir():
+            return cls.maybe_load(model)
+        return cls.builtin(vocab_size) if vocab_size >= 256 + len(SPECIAL_TOKENS) else None
 
     @property
     def chat_template(self) -> str | None:
