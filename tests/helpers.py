@@ -90,3 +90,23 @@ def chi2_pvalue(counts: np.ndarray, joint: np.ndarray) -> float:
     f_exp_arr = np.asarray(f_exp)
     f_exp_arr *= n / f_exp_arr.sum()  # remove float drift so scipy's sum check passes
     return float(chisquare(np.asarray(f_obs), f_exp_arr).pvalue)
+
+
+def tiny_model(preset: str, device: str = "cpu", backend: str = "torch", seed: int = 0, **overrides):
+    """A tiny preset's random-weight model with the fewest layers that keep every mechanism: one
+    attention layer, plus one GDN layer (dense MLP) on hybrids, whose attention layer then carries
+    the MoE; ``overrides`` change other config fields. Interpreted runs cost per layer."""
+    from wmtp.config import ModelConfig
+    from wmtp.models.loader import build_model, init_random_
+    from wmtp.presets import PRESETS
+
+    raw = dict(PRESETS[preset])
+    if "num_hidden_layers" not in overrides:
+        hybrid = raw.get("full_attention_interval") or "linear_num_value_heads" in raw
+        overrides["num_hidden_layers"] = 2 if hybrid else 1
+        if hybrid:
+            overrides.setdefault("full_attention_interval", 2)
+            overrides.setdefault("mlp_only_layers", [0] if "mlp_only_layers" in raw else [])
+    cfg = ModelConfig.from_dict({**raw, **overrides})
+    model = build_model(cfg, device, getattr(torch, raw.get("dtype", "float32")), backend)
+    return init_random_(model, seed)

@@ -68,6 +68,29 @@ def test_recurrent_kernel_matches_reference(q_lens, record):
         assert (r_got - r_ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("record", [False, True])
+def test_reference_batch_equals_one_request_at_a_time(record):
+    """The twin runs a batch of equal-length requests (decode, verify) as one recurrence over all
+    their heads: the same outputs, slot states and records as each request alone."""
+    q_lens = [3, 3, 3]
+    t, ctx, dims = _inputs(q_lens, seed=4)
+    alone = {k: v.clone() for k, v in t.items()}
+    batch_ctx = ForwardContext(**ctx, record_states=record)
+    got = TorchBackend().gated_delta_net(**t, ctx=batch_ctx, layer_idx=0, dims=dims)
+    for b in range(len(q_lens)):
+        rows = slice(3 * b, 3 * b + 3)
+        one = {k: v[rows] if k in ("mixed_qkv", "a", "b") else v for k, v in alone.items()}
+        c1 = ForwardContext(q_starts=[10], q_lens=[3], state_slots=ctx["state_slots"][b : b + 1], device=DEVICE,
+                            record_states=record)
+        want = TorchBackend().gated_delta_net(**one, ctx=c1, layer_idx=0, dims=dims)
+        assert (got[rows] - want).abs().max().item() < 1e-6
+        if record:
+            (w_b, r_b), (w_1, r_1) = batch_ctx.recorded[0], c1.recorded[0]
+            assert torch.equal(w_b[b], w_1[0]) and (r_b[rows] - r_1).abs().max().item() < 1e-6
+    assert (t["ssm_state"] - alone["ssm_state"]).abs().max().item() < 1e-6
+    assert torch.equal(t["conv_state"], alone["conv_state"])
+
+
 def test_record_needs_equal_lengths():
     t, ctx, dims = _inputs([2, 3])
     with pytest.raises(ValueError, match="same q_len"):

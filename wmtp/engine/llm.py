@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,6 +12,7 @@ from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.engine.engine import Engine
 from wmtp.engine.sampling import SamplingParams
 from wmtp.errors import WmtpError
+from wmtp.models.model import CausalLM
 from wmtp.tokenizer import TextTokenizer
 
 Prompt = str | Sequence[int]
@@ -33,11 +33,12 @@ class LLM:
     """``LLM(model_path_or_preset, spec=SpecConfig(...), device=..., dtype=..., max_model_len=...)``.
 
     ``backend="auto"`` picks the Triton kernels on a CUDA device (when triton is installed) and the
-    PyTorch reference otherwise."""
+    PyTorch reference otherwise. ``model`` may also be a built ``CausalLM`` (its own device, dtype
+    and backend; no tokenizer)."""
 
     def __init__(
         self,
-        model: str,
+        model: str | CausalLM,
         spec: SpecConfig | None = None,
         device: str = "cpu",
         dtype: str | torch.dtype | None = None,
@@ -55,9 +56,12 @@ class LLM:
         import wmtp
         from wmtp.models.backend import default_backend
 
-        backend = default_backend(device) if backend == "auto" else backend
-        self.model = wmtp.load_model(model, device=device, dtype=dtype, seed=seed, backend=backend)
-        self.tokenizer = TextTokenizer.maybe_load(model) if Path(model).is_dir() else None
+        if isinstance(model, CausalLM):
+            self.model, self.tokenizer = model, None
+        else:
+            backend = default_backend(device) if backend == "auto" else backend
+            self.model = wmtp.load_model(model, device=device, dtype=dtype, seed=seed, backend=backend)
+            self.tokenizer = TextTokenizer.for_model(model, self.model.config.vocab_size)
         eng = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size,
                            num_kv_pages=num_kv_pages, kv_memory_bytes=kv_memory_bytes, prefill_chunk=prefill_chunk,
                            decode_graphs=decode_graphs, overlap=overlap)

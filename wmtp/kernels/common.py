@@ -1,7 +1,9 @@
 """Small helpers shared by the reference ops and the kernels."""
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -26,6 +28,32 @@ class SharedExpert(NamedTuple):
     up_proj: torch.Tensor
     down_proj: torch.Tensor
     gate: torch.Tensor
+
+
+_WHOLE_TILES = False
+
+
+@contextlib.contextmanager
+def whole_tiles() -> Iterator[None]:
+    """Inside this block, under Triton's CPU interpreter, the kernels' default launches take one
+    tile over each small axis (``launch_tile``) instead of the GPU's tuned tiles. The interpreter
+    runs a program's ops on whole numpy arrays, so a program costs its op count whatever its tile:
+    fewer, larger programs give the same arithmetic several times faster. Engine-level tests run in
+    it; kernel tests keep the GPU's tiles, whose tiling is what they check. No effect on a GPU."""
+    global _WHOLE_TILES
+    saved, _WHOLE_TILES = _WHOLE_TILES, os.environ.get("TRITON_INTERPRET") == "1"
+    try:
+        yield
+    finally:
+        _WHOLE_TILES = saved
+
+
+def launch_tile(gpu: int, extent: int, cap: int = 1024) -> int:
+    """A launch's default tile along an axis of ``extent``: ``gpu``, or inside ``whole_tiles`` the
+    whole extent (a power of 2 >= 16, at most ``cap``)."""
+    if not _WHOLE_TILES:
+        return gpu
+    return min(cap, max(16, triton.next_power_of_2(extent)))
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from wmtp.kernels.common import arrival_counters, pdl
+from wmtp.kernels.common import arrival_counters, launch_tile, pdl
 
 try:
     import triton
@@ -143,6 +143,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if T and N:
         x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
         cfg = tiles or linear_tiles(T, N, K) or LinearTiles(16, 128, 1, 4)
+        if tiles is None:  # (one K split when a whole-K step covers K)
+            cfg = cfg._replace(block_n=launch_tile(cfg.block_n, N), block_k=launch_tile(cfg.block_k, K))
         k_split = triton.cdiv(triton.cdiv(K, cfg.splits), cfg.block_k) * cfg.block_k  # a multiple of the K step
         splits = triton.cdiv(K, k_split)
         blocks = triton.cdiv(N, cfg.block_n)
@@ -160,4 +162,4 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     tiles = linear_tiles(x.numel() // max(x.shape[-1], 1), weight.shape[0], weight.shape[1])
     if tiles is None or x.dtype == torch.float64 or weight.dtype != x.dtype or weight.stride(-1) != 1:
         return F.linear(x, weight, bias)
-    return skinny_linear(x, weight, bias, tiles)
+    return skinny_linear(x, weight, bias)  # which takes linear_tiles' choice itself

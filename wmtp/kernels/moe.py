@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from wmtp.kernels.common import SharedExpert, pdl
+from wmtp.kernels.common import SharedExpert, launch_tile, pdl
 from wmtp.kernels.linear import decode_linear
 
 try:
@@ -269,7 +269,8 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch
         # for the 35B shape with the shared rows folded in (9.8 / 52.7 us;
         # benchmarks/results/h200/tuning/tune_moe_s6.json)
         tile = (16, 128) if P + Ts >= 32 else (8, 256)
-        cfg = {"BLOCK_N": tile[0], "BLOCK_K": tile[1], "num_warps": 8, **launch}
+        cfg = {"BLOCK_N": launch_tile(tile[0], max(N, Ns)), "BLOCK_K": launch_tile(tile[1], K), "num_warps": 8,
+               **launch}
         _swiglu_gemv_kernel[(P + Ts, triton.cdiv(max(N, Ns), cfg["BLOCK_N"]))](
             x.contiguous(), w_gate, w_up, idx.contiguous(), sg, su, buf, P, N, Ns, K,
             w_gate.stride(0), w_gate.stride(1), sg.stride(-2), TOP_K=top_k, **cfg, **pdl(x.device))
@@ -301,7 +302,7 @@ def down_combine(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, top_w: 
         # the [top_k, BLOCK_N, BLOCK_K] weight tile is held in registers: 8 x 8 x 128 at 8 warps is 32
         # values a thread for top_k 8; best on the H200 at 1 and 7 tokens (5.1 / 31.0 us, vs 9.2 / 40.2
         # at 4 warps; benchmarks/results/h200/tuning/tune_moe_s6.json)
-        cfg = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8, **launch}
+        cfg = {"BLOCK_N": launch_tile(8, N), "BLOCK_K": launch_tile(128, K), "num_warps": 8, **launch}
         hs, ws, sl = (out, out, out) if shared is None else (shared[0].contiguous(), shared[1], shared[2].float().contiguous())
         _down_combine_kernel[(T, triton.cdiv(N, cfg["BLOCK_N"]))](
             h.contiguous(), down, idx.contiguous(), top_w.float().contiguous(), hs, ws, sl, out,

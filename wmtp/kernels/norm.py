@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from wmtp.kernels.common import pdl
+from wmtp.kernels.common import launch_tile, pdl
 
 try:
     import triton
@@ -85,7 +85,7 @@ if triton is not None:
     @triton.jit
     def _norm_rope_kernel(X, W, OUT, X2, W2, OUT2, COS, SIN, stride_xt, stride_xh, stride_x2t, stride_x2h, stride_ct,
                           H, H2, T, D, HALF, eps, NORM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
         """Program (token, head) of X's T x H heads, then of X2's T x H2 (the second tensor of the
         launch: k after q, with its own strides and norm weight; H2 = 0 for one tensor)."""
         wait_prior(PDL)
@@ -113,8 +113,8 @@ if triton is not None:
         dt = OUT.dtype.element_ty
         tl.store(out_row + i, (x1 * c - x2 * s).to(dt), mask=ok)
         tl.store(out_row + i + HALF, (x2 * c + x1 * s).to(dt), mask=ok)
-        for r0 in range(2 * HALF, D, BLOCK_R):  # channels past the rotary part pass through (normed)
-            j = r0 + tl.arange(0, BLOCK_R)
+        for r0 in range(2 * HALF, D, BLOCK_P):  # channels past the rotary part pass through (normed)
+            j = r0 + tl.arange(0, BLOCK_P)
             tl.store(out_row + j, _normed(x_row, w, j, j < D, rstd, NORM, OFFSET).to(dt), mask=j < D)
 
 
@@ -221,5 +221,6 @@ def _norm_rope_launch(parts, cos: torch.Tensor, sin: torch.Tensor, eps: float, o
         _norm_rope_kernel[(T * (H + H2),)](
             x, x if w is None else w, out, x2, x2 if w2 is None else w2, out2, cos, sin, x.stride(0), x.stride(1),
             x2.stride(0), x2.stride(1), cos.stride(0), H, H2, T, D, rot // 2, eps, NORM=w is not None, OFFSET=offset,
-            BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(rot // 2), **pdl(x.device))
+            BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(rot // 2),
+            BLOCK_P=launch_tile(triton.next_power_of_2(rot // 2), D - rot), **pdl(x.device))
     return tuple(outs)

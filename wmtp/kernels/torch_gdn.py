@@ -327,14 +327,21 @@ def record_width(hk: int, dk: int, hv: int, dv: int) -> int:
     return hk * dk + hv * dv + 2 * hv
 
 
-def verify_record(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, hk: int) -> Tensor:
+def verify_record(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, hk: int, batch: int = 1) -> Tensor:
     """One request's verify record [T, ``record_width``] from the delta rule's inputs (q, k [T, HV,
     Dk] repeated from ``hk`` k-heads, v [T, HV, Dv], g, beta [T, HV]), in the accumulation dtype:
-    the values ``gated_delta_rule_recurrent`` computes with."""
-    _, kf, vf, gf, bf = _prepare(q, k, v, g, beta)  # [HV, T, ...]
-    T, HV = g.shape
-    k_heads = kf[:: HV // hk].transpose(0, 1).reshape(T, -1)  # the repeat's first copy of each k-head
-    return torch.cat([k_heads, vf.transpose(0, 1).reshape(T, -1), gf.transpose(0, 1), bf.transpose(0, 1)], dim=1)
+    the values ``gated_delta_rule_recurrent`` computes with. With ``batch`` B the heads are B
+    requests' (request-major, B x HV) and the rows come request-major too: [B * T, record_width]."""
+    _, kf, vf, gf, bf = _prepare(q, k, v, g, beta)  # [B * HV, T, ...]
+    T, HV = g.shape[0], g.shape[1] // batch
+
+    def rows(x: Tensor, stride: int = 1) -> Tensor:  # [B * HV, T, ...] -> [B, T, heads * ...]
+        x = x.reshape(batch, HV, T, -1)[:, ::stride]
+        return x.transpose(1, 2).reshape(batch, T, -1)
+
+    # k: the repeat's first copy of each k-head
+    parts = [rows(kf, HV // hk), rows(vf), rows(gf), rows(bf)]
+    return torch.cat(parts, dim=2).reshape(batch * T, -1)
 
 
 def rollback_states(conv: Tensor, ssm: Tensor, rec_tokens: Tensor, rec_windows: Tensor, slots: Tensor,

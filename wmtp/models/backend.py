@@ -230,6 +230,9 @@ class TorchBackend(Backend):
 
         _, hv, _, dv, _ = dims
         g, beta = gdn_gates(a.flatten(1), b.flatten(1), A_log, dt_bias)
+        if _uniform_short(ctx):
+            return self._gated_delta_net_batched(mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx,
+                                                 layer_idx, dims, record_into)
         out = mixed_qkv.new_empty(mixed_qkv.shape[0], hv, dv)
         windows, tokens = [], []
         for req, n in enumerate(ctx.q_lens):
@@ -251,12 +254,35 @@ class TorchBackend(Backend):
                 ssm_state[slot] = new_state.to(ssm_state.dtype)
             out[lo : lo + n] = o
         if ctx.record_states:
-            win, rec = torch.stack(windows), torch.cat(tokens)
-            if record_into is not None:
-                rec = record_into[0][: rec.shape[0]].copy_(rec)
-                win = record_into[1][: win.shape[0]].copy_(win)
-            ctx.recorded[layer_idx] = (win, rec)
+            _keep_record(ctx, layer_idx, torch.stack(windows), torch.cat(tokens), record_into)
         return out
+
+    def _gated_delta_net_batched(self, mixed_qkv, g, beta, conv_weight, conv_state, ssm_state, ctx, layer_idx, dims,
+                                 record_into):
+        """``gated_delta_net`` for B requests of n tokens each (decode, verify, short prefill chunks),
+        all at once: the recurrence over B x HV heads (each head's arithmetic is its own, as in the
+        per-request loop), the conv over a batch."""
+        from wmtp.kernels.torch_gdn import causal_conv1d, gated_delta_rule_recurrent, verify_record
+
+        hk, hv, dk, dv, _ = dims
+        B, n = len(ctx.q_lens), ctx.q_lens[0]
+        slots = ctx.state_slots.to(torch.long)
+        x = mixed_qkv.view(B, n, -1)
+        conv_out, new_conv = causal_conv1d(x, conv_weight, conv_state[slots])
+        q, k, v = _gdn_heads(conv_out.reshape(B * n, -1), dims)  # [B * n, HV, D]
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # [B * n, HV, ...] -> [n, B * HV, ...], request-major heads
+            return t.reshape(B, n, hv, -1).transpose(0, 1).reshape(n, B * hv, *t.shape[2:])
+
+        q, k, v, g, beta = (heads(t) for t in (q, k, v, g, beta))
+        o, state = gated_delta_rule_recurrent(q, k, v, g, beta, ssm_state[slots].reshape(B * hv, dk, dv))
+        if ctx.record_states:  # verify: the states stay; the rollback replays the accepted tokens
+            win = torch.cat([conv_state[slots].transpose(1, 2), x.to(conv_state.dtype)], dim=1)
+            _keep_record(ctx, layer_idx, win, verify_record(q, k, v, g, beta, hk, batch=B), record_into)
+        else:
+            conv_state[slots] = new_conv.to(conv_state.dtype)
+            ssm_state[slots] = state.view(B, hv, dk, dv).to(ssm_state.dtype)
+        return o.view(n, B, hv, dv).transpose(0, 1).reshape(B * n, hv, dv)
 
     def moe(self, x, router_weight, gate_up, down, top_k, norm_topk_prob, shared=None):
         from wmtp.kernels.moe import route, shared_expert_reference
@@ -272,6 +298,24 @@ class TorchBackend(Backend):
             h = F.linear(h, down[e]) * top_w[rows, which, None]
             out.index_add_(0, rows, h.to(out.dtype))
         return out if shared is None else out + shared_expert_reference(x, shared)
+
+
+def _uniform_short(ctx) -> bool:
+    """Every request of the forward has the same number of tokens, at most the recurrence's (the
+    per-request loop otherwise: prefill chunks of any length, the chunked form), laid out in order."""
+    from wmtp.kernels.torch_gdn import RECURRENT_MAX_TOKENS
+
+    n = ctx.q_lens[0]
+    return (0 < n <= RECURRENT_MAX_TOKENS and len(ctx.q_lens) > 1 and all(m == n for m in ctx.q_lens)
+            and ctx.token_offsets[:-1] == list(range(0, n * len(ctx.q_lens), n)))
+
+
+def _keep_record(ctx, layer_idx: int, windows: torch.Tensor, tokens: torch.Tensor, record_into) -> None:
+    """A verify's GDN record for the rollback, in the engine's preallocated buffers when given."""
+    if record_into is not None:
+        tokens = record_into[0][: tokens.shape[0]].copy_(tokens)
+        windows = record_into[1][: windows.shape[0]].copy_(windows)
+    ctx.recorded[layer_idx] = (windows, tokens)
 
 
 def _gdn_heads(conv_out: torch.Tensor, dims: tuple[int, int, int, int, int]) -> tuple[torch.Tensor, ...]:
