@@ -30,20 +30,25 @@ def main() -> None:
     rows = []
     for preset in ("tiny-qwen3.5-moe", "tiny-qwen3-next", "tiny-llama"):
         for dtype in ("float32", "bfloat16"):
-            outs = {}
+            outs, compiled = {}, {}
             for mode, ring in (("dense", True), ("native", True), ("windowed", True), ("windowed", False)):
                 spec = SpecConfig(mode=mode, num_draft_tokens=1 if mode == "dense" else 5, window=32, sink=4, ring=ring)
                 llm = LLM(preset, spec=spec, device="cuda", dtype=dtype, max_model_len=512, max_num_seqs=8,
                           page_size=a.page_size, prefill_chunk=64, backend="triton")
-                outs[f"{mode}{'' if ring else '-noring'}"] = [o.token_ids for o in llm.generate(prompts, params)]
+                name = f"{mode}{'' if ring else '-noring'}"
+                outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
+                compiled[name] = llm.engine.compiled_steps
             ref = outs["dense"]
             for name, got in outs.items():
                 diff = sum(x != y for g, r in zip(got, ref) for x, y in zip(g, r))
                 rows.append({"preset": preset, "dtype": dtype, "mode": name, "differing_tokens": diff,
-                             "tokens": sum(map(len, ref))})
+                             "tokens": sum(map(len, ref)), "compiled_steps": compiled[name]})
                 print(f"{preset:18s} {dtype:9s} {name:17s} differing tokens vs dense: {diff} / {sum(map(len, ref))}")
+    from wmtp.bench.step import revision
+
     meta = {"hardware": torch.cuda.get_device_name(), "backend": "triton", "window": 32, "sink": 4, "d": 5,
-            "page_size": a.page_size}
+            "page_size": a.page_size, "commit": revision(), "command": "python benchmarks/gpu_identity.py " + " ".join(
+                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items())}
     with open(a.out, "w") as f:
         json.dump({"kind": "gpu_identity", "meta": meta, "rows": rows}, f, indent=1)
 

@@ -8,6 +8,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One intra-op thread per pytest-xdist worker: workers already fill the cores, and torch's own
+# threads on top of them spin against each other (tiny forwards ran several times slower).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    torch.set_num_threads(1)
+
 
 def _patch_triton_language_once_per_launch() -> None:
     """Triton 3.6's interpreter patches ``triton.language`` for the interpreter at every launch (and

@@ -169,16 +169,17 @@ def _slow_draft(monkeypatch, seconds: float) -> None:
 
 
 def test_depth_fit_recovers_the_draft_forward_cost(monkeypatch, tmp_path):
-    """With 20 ms added to every MTP forward the fitted slope (t_draft_fwd) is 20 ms plus the tiny
-    model's own draft step, and the line fits; the report's fit is the OLS of the file's means."""
-    _slow_draft(monkeypatch, 0.020)
+    """With 40 ms added to every MTP forward the fitted slope (t_draft_fwd) is 40 ms plus the tiny
+    model's own draft step (a few ms, more on a loaded machine), and the line fits; the report's fit
+    is the OLS of the file's means."""
+    _slow_draft(monkeypatch, 0.040)
     assert main(["bench", "depth", "--out", str(tmp_path), "--depths", "2-4", "--runs", "2", "--iters", "3",
                  "--context", "96"] + TINY) == 0
     rows = _rows(tmp_path, "depth_sweep")
     for mode in ("native", "windowed"):
         pts = sorted((r["d"] - 1, mean_ci(r["t_iter_s"]).mean) for r in rows if r["mode"] == mode)
         fit = ols_fit([p[0] for p in pts], [p[1] for p in pts])
-        assert 0.019 < fit.slope < 0.032 and fit.r2 > 0.9, (mode, fit)
+        assert 0.039 < fit.slope < 0.065 and fit.r2 > 0.9, (mode, fit)
         assert fit.slope == pytest.approx(np.polyfit(*zip(*pts), 1)[0])
         rep = build_report(tmp_path)
         line = next(l for l in (tmp_path / "REPORT.md").read_text().splitlines() if l.startswith(f"| {mode} | "))
@@ -223,15 +224,16 @@ def test_context_wedge_follows_the_draft_keys_read(monkeypatch, tmp_path):
 
 
 def test_phase_timer_attributes_each_phase(monkeypatch):
-    """Known costs land in their phases: 30 ms per MTP forward (γ − 1 = 2 draft steps, one extend),
-    45 ms per target forward (the verify); the phases sum to the iteration's wall time within 5%.
-    The slack above each injected cost (the tiny model's own work, CPU noise) stays under one
-    misplaced forward, so a mark in the wrong place fails."""
-    _slow_draft(monkeypatch, 0.030)
+    """Known costs land in their phases: 80 ms per MTP forward (γ − 1 = 2 draft steps, one extend),
+    120 ms per target forward (the verify); the phases sum to the iteration's wall time within 5%.
+    The slack above each injected cost (the tiny model's own work, CPU noise: tens of ms on a loaded
+    machine) stays under one misplaced forward, so a mark in the wrong place fails."""
+    draft, target, slack = 0.080, 0.120, 0.060
+    _slow_draft(monkeypatch, draft)
     orig = CausalLM.forward
 
     def slow_target(self, *args, **kw):
-        time.sleep(0.045)
+        time.sleep(target)
         return orig(self, *args, **kw)
 
     monkeypatch.setattr(CausalLM, "forward", slow_target)
@@ -253,10 +255,10 @@ def test_phase_timer_attributes_each_phase(monkeypatch):
     assert len(parts) == 4 and timer.collect() == []
     for p, wall in zip(parts, walls):
         assert p["steps"] == 2
-        assert 0.060 <= p["draft_fwd"] < 0.060 + 0.025
-        assert 0.045 <= p["verify_base"] < 0.045 + 0.025
-        assert 0.030 <= p["draft_ctx"] < 0.030 + 0.025
-        assert p["verify_ovh"] < 0.025
+        assert 2 * draft <= p["draft_fwd"] < 2 * draft + slack
+        assert target <= p["verify_base"] < target + slack
+        assert draft <= p["draft_ctx"] < draft + slack
+        assert p["verify_ovh"] < slack
         assert sum(p[k] for k in PHASES) == pytest.approx(p["total"])
         assert abs(p["total"] / wall - 1) < 0.05
     with pytest.raises(ValueError, match="unknown phase"):

@@ -94,10 +94,11 @@ def time_mode(model, mode: str, a: argparse.Namespace, bandwidth: float) -> dict
     sb = step_bytes(model, spec, a.context, counter.mean_distinct(), elt)
     floor = sb.total / bandwidth
     pools, compiled = eng.memory.bytes_report(), eng.compiled_steps
+    build = sum(g.build_seconds for g in eng.graphs.values())
     del eng
     release_pools(model)
     row = {"mode": mode, "S": a.context, "d": spec.verify_tokens, "B": 1, "forced_accept": k,
-           "compiled_steps": compiled}
+           "compiled_steps": compiled, "graph_build_s": build}
     for key, times in (("t_iter", overlapped), ("t_iter_sync", synced)):
         med, q = statistics.median(times), statistics.quantiles(times, n=10)
         row.update({f"{key}_s": [med], f"{key}_p10_s": [q[0]], f"{key}_p90_s": [q[-1]], f"{key}_over_floor": med / floor})

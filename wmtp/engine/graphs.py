@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -145,6 +146,7 @@ class DecodeGraphs:
 
     def __init__(self, model: CausalLM, spec: SpecConfig, cfg: EngineConfig, memory: MemoryManager, batch: int,
                  capture: bool, pool=None) -> None:
+        start = time.perf_counter()
         self.model, self.spec, self.cfg, self.memory, self.B = model, spec, cfg, memory, batch
         self.gamma, self.d = spec.gamma, spec.verify_tokens
         weight = model.model.embed_tokens.weight
@@ -206,6 +208,7 @@ class DecodeGraphs:
         self._fill_safe()
         # every step went through torch.compile (False: eager, by choice or by dynamo's fallback)
         self.compiled = compiler is not None and compiler.compiled
+        self.build_seconds = time.perf_counter() - start  # compiling and capturing included
 
     def _results(self) -> tuple[torch.Tensor, ...]:
         """Views of ``out``: drafts [B, max(γ, 1)], target [B, d], accepted, next d_1, L [B]. The
