@@ -111,6 +111,15 @@ if triton is not None:
         return m_new, l_i, acc * alpha[:, None] + pv
 
     @triton.jit
+    def _dims_ok(mask, d_ok, PAD: tl.constexpr):
+        """``mask`` [rows, 1] and, for a padded head dim only, its [1, BLOCK_D] bound: at a power-of-2
+        head dim loads and stores compile exactly as they would without padding."""
+        m = mask
+        if PAD:
+            m = mask & d_ok[None, :]
+        return m
+
+    @triton.jit
     def _gated(out, gate):
         """``out * sigmoid(gate)`` rounded as the reference's ops are (each to the output dtype)."""
         o = out.to(gate.dtype).to(tl.float32)
@@ -152,10 +161,11 @@ if triton is not None:
         q_pos = q_start + qi
         # head dims padded to a power of 2 (80, 96, 112, ...): the padding loads zeros, which add
         # nothing to q.k, and its output columns are never stored
+        PAD_D: tl.constexpr = BLOCK_D != D
         dims = tl.arange(0, BLOCK_D)
         d_ok = dims < D
         q = tl.load(Q + (tok_off + qi)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                    mask=_dims_ok(row_ok[:, None], d_ok, PAD_D), other=0.0)
 
         # virtual key range of this query block (see module docstring)
         q_first = q_start + qb * BLOCK_Q
@@ -183,12 +193,12 @@ if triton is not None:
                 base = (tile_page * page_size + j0 % page_size).to(tl.int64) * stride_kt + kvh * stride_kh
                 nxt = j0 + BLOCK_N
                 tile_page = tl.load(table_ptr + b * table_stride + nxt // page_size, mask=nxt < full_end, other=0).to(tl.int32)
-                if BLOCK_D == D:
-                    k = tl.load(K + base + tile)
-                    v = tl.load(V + base + tile)
-                else:
+                if PAD_D:
                     k = tl.load(K + base + tile, mask=d_ok[None, :], other=0.0)
                     v = tl.load(V + base + tile, mask=d_ok[None, :], other=0.0)
+                else:
+                    k = tl.load(K + base + tile)
+                    v = tl.load(V + base + tile)
                 m_i, l_i, acc = _softmax_step(q, k, v, True, m_i, l_i, acc, scale_log2e, MASKED=False, IEEE=IEEE)
             # the tail (the causal edge, the split's end) still has one page per tile: the same scalar
             # addressing with masks. The general loop's [BLOCK_N, D] int64 addresses, compiled beside
@@ -199,8 +209,8 @@ if triton is not None:
                         + j0 % page_size).to(tl.int64) * stride_kt + kvh * stride_kh
                 j = j0 + tl.arange(0, BLOCK_N)
                 k_ok = j < hi
-                k = tl.load(K + base + tile, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-                v = tl.load(V + base + tile, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                k = tl.load(K + base + tile, mask=_dims_ok(k_ok[:, None], d_ok, PAD_D), other=0.0)
+                v = tl.load(V + base + tile, mask=_dims_ok(k_ok[:, None], d_ok, PAD_D), other=0.0)
                 visible = (j[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
                 m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e, MASKED=True, IEEE=IEEE)
         else:
@@ -214,7 +224,7 @@ if triton is not None:
                     page = tl.load(table_ptr + b * table_stride + pos // page_size, mask=k_ok, other=0).to(tl.int32)
                     slot = page * page_size + pos % page_size
                 slot = slot.to(tl.int64)
-                kv_ok = k_ok[:, None] & d_ok[None, :]
+                kv_ok = _dims_ok(k_ok[:, None], d_ok, PAD_D)
                 k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + dims[None, :], mask=kv_ok, other=0.0)
                 v = tl.load(V + slot[:, None] * stride_kt + kvh * stride_kh + dims[None, :], mask=kv_ok, other=0.0)
                 visible = (pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
@@ -224,12 +234,12 @@ if triton is not None:
         tok = tok_off + qi
         if SPLIT:
             base = split * stride_ps + tok * stride_pt + head * stride_ph
-            tl.store(OPart + base[:, None] + dims[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(OPart + base[:, None] + dims[None, :], acc, mask=_dims_ok(row_ok[:, None], d_ok, PAD_D))
             tl.store(MPart + base // D, m_i, mask=row_ok)
             tl.store(LPart + base // D, l_i, mask=row_ok)
         else:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            out_ok = row_ok[:, None] & d_ok[None, :]
+            out_ok = _dims_ok(row_ok[:, None], d_ok, PAD_D)
             if GATED:
                 out = _gated(out, tl.load(Gate + tok[:, None] * stride_gt + head[:, None] * stride_gh + dims[None, :],
                                           mask=out_ok, other=0.0))
@@ -249,6 +259,7 @@ if triton is not None:
         db = tl.program_id(1)
         tok = r // H
         head = r % H
+        PAD_D: tl.constexpr = D % BLOCK_D != 0  # a padded head dim: its last block is partial
         dims = db * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = dims < D
         m_max = tl.full([BLOCK_S], float("-inf"), tl.float32)
@@ -265,14 +276,19 @@ if triton is not None:
             ok = m_sp != float("-inf")  # empty splits (short contexts under a fixed grid) are not read
             w = tl.where(ok, tl.exp2(m_sp - m), 0.0)
             denom += w * tl.load(LPart + sp * rows + r, mask=ok, other=0.0)
-            o = tl.load(OPart + (sp[:, None] * rows + r) * D + dims[None, :], mask=ok[:, None] & d_ok[None, :],
-                        other=0.0)
+            o = tl.load(OPart + (sp[:, None] * rows + r) * D + dims[None, :],
+                        mask=_dims_ok(ok[:, None], d_ok, PAD_D), other=0.0)
             acc += tl.sum(o * w[:, None], 0)
         total = tl.sum(denom, 0)
         out = acc / tl.where(total == 0.0, 1.0, total)
-        if GATED:
-            out = _gated(out, tl.load(Gate + tok * stride_gt + head * stride_gh + dims, mask=d_ok, other=0.0))
-        tl.store(Out + tok * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty), mask=d_ok)
+        if PAD_D:
+            if GATED:
+                out = _gated(out, tl.load(Gate + tok * stride_gt + head * stride_gh + dims, mask=d_ok, other=0.0))
+            tl.store(Out + tok * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty), mask=d_ok)
+        else:
+            if GATED:
+                out = _gated(out, tl.load(Gate + tok * stride_gt + head * stride_gh + dims))
+            tl.store(Out + tok * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty))
 
 
 if triton is not None:
