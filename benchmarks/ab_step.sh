@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Same-lease A/B of decode code: bench step's T_iter for several revisions, interleaved round by
-# round on one GPU. Leases of the same GPU model differ by a few percent in T_iter (power cap,
-# clocks), so runs from different device calls cannot resolve a 1% change; interleaving can.
+# A/B of decode code on one GPU: bench step's T_iter for several revisions, interleaved round by
+# round. Machines of the same GPU model differ by a few percent in T_iter (power cap, clocks), so
+# runs on different machines cannot resolve a 1% change; interleaving on one can.
 #   here:       benchmarks/ab_step.sh pack REV [REV ...]   # git archive each into .ab/<rev>.tar
 #   on the GPU: benchmarks/ab_step.sh run [ROUNDS] [MODES]  # (carry .ab and .whl) -> $OUT/ab_*.json,
 #                                                           #    $OUT/ab_summary.txt

@@ -1,4 +1,4 @@
-"""Issue 6 on CPU: real acceptance of SmolLM2-135M + its trained MTP head at 8K context, native vs
+"""On CPU: real acceptance of SmolLM2-135M + its trained MTP head at 8K context, native vs
 windowed, with each prompt prefilled ONCE and forked into every speculative config
 (``wmtp.bench.acceptance``).
 
@@ -39,7 +39,7 @@ PROBE_WINDOWS = [(16, 128), (16, 512), (16, 2048)]
 def grid() -> dict[str, SpecConfig]:
     """The configs every prompt is decoded under (dense is run separately as the reference): native
     for d in {3, 5, 7} and windowed for every sink in {4, 16, 64} x W in {128, ..., 2048} x d in
-    {3, 5, 7} (the issue's grid). Records made with an earlier, smaller grid are completed in place."""
+    {3, 5, 7} (the full grid). Records made with an earlier, smaller grid are completed in place."""
     specs = {f"native-d{d}": SpecConfig(mode="native", num_draft_tokens=d) for d in (3, 5, 7)}
     for d in (3, 5, 7):
         for s in (4, 16, 64):

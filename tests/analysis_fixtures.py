@@ -139,7 +139,11 @@ def _rows_diff(rng):
     return [c.to_dict() for c in output_diff_table(outputs)]
 
 
-BUILDERS = {"step": _rows_step, "context_sweep": _rows_context, "depth_sweep": _rows_depth, "phases": _rows_phases,
+def _rows_ttft(rng):
+    return [{"mode": m, "tokens": 131072, "chunk": 8192, "ttft_s": rng.uniform(5, 8)} for m in ("native", "windowed")]
+
+
+BUILDERS = {"step": _rows_step, "ttft": _rows_ttft, "context_sweep": _rows_context, "depth_sweep": _rows_depth, "phases": _rows_phases,
             "verify_by_k": _rows_verify_by_k, "window_sweep": _rows_window, "batch_sweep": _rows_batch,
             "memory": _rows_memory, "acceptance": _rows_acceptance, "probe": _rows_probe, "output_diff": _rows_diff}
 

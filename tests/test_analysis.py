@@ -269,7 +269,7 @@ def test_report_every_section(tmp_path):
     (tmp_path / "res" / "other.json").write_text(json.dumps({"preset": "x"}))
     rep = build_report(tmp_path / "res", tmp_path / "out" / "REPORT.md")
     text = (tmp_path / "out" / "REPORT.md").read_text()
-    for title in ("Per-step cost", "windowing wedge", "Latency-model fit", "Phase decomposition", "matched acceptance",
+    for title in ("Per-step cost", "Time to first token", "windowing wedge", "Latency-model fit", "Phase decomposition", "matched acceptance",
                   "Window-size sweep", "Pareto", "Memory", "Acceptance profiles", "Decision-invariance", "Greedy output diff"):
         assert title in text, title
     assert "nothing: every kind is present" in text and "not part of this report (no kind it renders): `other.json`" in text
@@ -316,6 +316,24 @@ def test_report_same_kind_in_subfolders_gets_separate_plots(tmp_path):
     names = sorted(p.name for p in rep.pngs)
     assert names == ["pareto_a_fake_batch_sweep.png", "pareto_b_fake_batch_sweep.png"]
     assert all(f"]({n})" in text for n in names) and "`a/fake_batch_sweep.json`" in text
+
+
+def test_report_leaves_the_archive_out_unless_asked(tmp_path):
+    """Superseded results live in ``archive/`` folders: rendered only with ``--all``, and every file
+    names the commit its numbers come from (or says it was not recorded)."""
+    from wmtp.cli import main
+
+    write_fake_results(tmp_path / "res", kinds=["step"])
+    (old,) = write_fake_results(tmp_path / "res" / "archive" / "h200", kinds=["step"], seed=1)
+    obj = json.loads(old.read_text())
+    obj["meta"]["commit"] = "abc1234"
+    old.write_text(json.dumps(obj))
+    build_report(tmp_path / "res")
+    text = (tmp_path / "res" / "REPORT.md").read_text()
+    assert "`fake_step.json`" in text and "archive/" not in text and "| unrecorded |" in text
+    assert main(["report", str(tmp_path / "res"), "--all"]) == 0
+    text = (tmp_path / "res" / "REPORT.md").read_text()
+    assert "`archive/h200/fake_step.json`" in text and "`abc1234`" in text
 
 
 def test_report_partial_states_missing(tmp_path):

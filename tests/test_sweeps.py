@@ -1,4 +1,4 @@
-"""The issue-5 sweeps (``wmtp bench context|depth|phases|verify-by-k|window|batch|memory|suite``) on
+"""The cost sweeps (``wmtp bench context|depth|phases|verify-by-k|window|batch|memory|suite``) on
 a tiny preset on CPU, the phase timer, and the report rendered from their output.
 
 CPU timings on a shared machine are noisy, so relations about time are tested where a known cost

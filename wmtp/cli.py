@@ -252,12 +252,13 @@ register("serve", "OpenAI-compatible HTTP server (completions, chat, /metrics) o
 def _report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("results_dir", metavar="RESULTS_DIR", help="directory of results JSON (see wmtp/analysis/SCHEMA.md)")
     p.add_argument("--out", default=None, help="markdown file to write (default: RESULTS_DIR/REPORT.md); PNGs go next to it")
+    p.add_argument("--all", action="store_true", help="also the files in archive/ folders (superseded results)")
 
 
 def report(a: argparse.Namespace) -> int:
     from wmtp.analysis.report import build_report
 
-    rep = build_report(a.results_dir, a.out)
+    rep = build_report(a.results_dir, a.out, include_archive=a.all)
     print(f"wrote {len(rep.lines)} lines and {len(rep.pngs)} plots next to {a.out or a.results_dir + '/REPORT.md'}")
     for w in rep.warnings:
         print(f"warning: {w}")

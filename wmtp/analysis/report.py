@@ -57,6 +57,7 @@ ROW_FIELDS: dict[str, tuple[str, ...]] = {
     "probe": ("task", "S", "sink", "W", "steps", "flipped", "agreement", "margin_all", "margin_flipped", "z_far",
               "readout_change"),
     "output_diff": ("mode_a", "mode_b", "prompt", "n_diff", "first_diff", "len_a", "len_b"),
+    "ttft": ("mode", "tokens", "ttft_s"),
 }
 KIND_PURPOSE = {
     "step": "per-step cost vs the bytes floor",
@@ -70,6 +71,7 @@ KIND_PURPOSE = {
     "acceptance": "α_j profiles with Wilson intervals (paper Fig. 2 / Table 9)",
     "probe": "decision-invariance and attention-mass probe (paper Tables 11-12)",
     "output_diff": "greedy output diff dense / native / windowed (reviewers)",
+    "ttft": "time to first token of a real chunked prefill",
 }
 COLOURS = {"dense": "#7f7f7f", "native": "#d62728", "windowed": "#1f77b4"}
 
@@ -120,13 +122,16 @@ class Report:
 # ---- loading ------------------------------------------------------------------------------------
 
 
-def load_results(results_dir: str | Path) -> tuple[list[ResultFile], list[str]]:
-    """Every results file under ``results_dir`` (sorted), plus the names of ignored JSON files."""
+def load_results(results_dir: str | Path, include_archive: bool = False) -> tuple[list[ResultFile], list[str]]:
+    """Every results file under ``results_dir`` (sorted), plus the names of ignored JSON files.
+    Folders named ``archive`` (superseded results) are skipped unless ``include_archive``."""
     root = Path(results_dir)
     if not root.is_dir():
         raise WmtpError(f"report: {root} is not a directory")
     files, ignored = [], []
     for path in sorted(root.rglob("*.json")):
+        if not include_archive and "archive" in path.relative_to(root).parts[:-1]:
+            continue
         try:
             obj = json.loads(path.read_text())
         except json.JSONDecodeError as e:
@@ -207,10 +212,15 @@ def _runs_check(rep: Report, f: ResultFile, fields: Iterable[str]) -> None:
                 rep.warnings.append(f"`{f.path.name}` rows[{i}].{k}: {len(v)} values, meta.runs = {runs}")
 
 
+def _commit(f: ResultFile) -> str:
+    """The commit the file's numbers come from (``meta.commit``; files written before it was recorded have none)."""
+    return f"`{f.meta['commit']}`" if f.meta.get("commit") else "unrecorded"
+
+
 def _provenance(f: ResultFile) -> str:
     m = f.meta
     real = "**synthetic context**" if m["synthetic"] else "real prefill"
-    return f"{m['model']} ({m['dtype']}) on {m['hardware']} · {real} · {m['runs']} runs · {m['date']}"
+    return f"{m['model']} ({m['dtype']}) on {m['hardware']} · {real} · {m['runs']} runs · {m['date']} · commit {_commit(f)}"
 
 
 def _plt():
@@ -277,6 +287,16 @@ def section_step(rep: Report, f: ResultFile) -> None:
                 "iterations' results; synchronised: every step GPU-synchronised before and after.")
         rep.add("")
     _ratio_lines(rep, f.rows, ("S", "d", "B"))
+
+
+def section_ttft(rep: Report, f: ResultFile) -> None:
+    """One prefill per mode (a single run: the ``ttft_s`` value is a number, not a list)."""
+    rep.table(["mode", "prompt tokens", "chunk", "TTFT s"],
+              [[r["mode"], r["tokens"], r.get("chunk", "–"), fmt(r["ttft_s"])] for r in f.rows])
+    by = {r["mode"]: r["ttft_s"] for r in f.rows}
+    if "native" in by and "windowed" in by:
+        rep.add(f"- native / windowed TTFT = {by['native'] / by['windowed']:.3f} (the windowed draft prefill writes "
+                "K/V only for the slots a later query can read, DESIGN §4)", "")
 
 
 def _floor_basis(bw: dict | None) -> str | None:
@@ -714,6 +734,7 @@ def section_output_diff(rep: Report, f: ResultFile) -> None:
 
 SECTIONS: dict[str, tuple[str, Callable[[Report, ResultFile], None]]] = {
     "step": ("Per-step cost", section_step),
+    "ttft": ("Time to first token", section_ttft),
     "context_sweep": ("Context sweep: the windowing wedge", section_context_sweep),
     "depth_sweep": ("Latency-model fit over draft depth", section_depth_sweep),
     "phases": ("Phase decomposition", section_phases),
@@ -740,10 +761,10 @@ def _header(rep: Report, files: list[ResultFile], ignored: list[str], results_di
                 "were filled with random values instead of a prefill. Costs are content-free; acceptance from "
                 "such runs means nothing.", "")
     rep.add("## Inputs", "")
-    rep.table(["file", "kind", "model", "hardware", "dtype", "context", "runs", "date", "command"],
+    rep.table(["file", "kind", "model", "hardware", "dtype", "context", "runs", "date", "commit", "command"],
               [[f"`{f.path.relative_to(results_dir)}`", f.kind, f.meta["model"], f.meta["hardware"], f.meta["dtype"],
-                "synthetic" if f.meta["synthetic"] else "real", f.meta["runs"], f.meta["date"], f"`{f.meta['command']}`"]
-               for f in files])
+                "synthetic" if f.meta["synthetic"] else "real", f.meta["runs"], f.meta["date"][:10], _commit(f),
+                f"`{f.meta['command']}`"] for f in files])
     shapes = {f.meta["model"]: f.meta["shape"] for f in files if f.meta.get("shape")}
     for model, shape in shapes.items():
         rep.add(f"- shape of {model}: {json.dumps(shape) if not isinstance(shape, str) else shape}")
@@ -752,10 +773,11 @@ def _header(rep: Report, files: list[ResultFile], ignored: list[str], results_di
     rep.add("")
 
 
-def build_report(results_dir: str | Path, out: str | Path | None = None) -> Report:
-    """Read ``results_dir``, write the markdown (default ``results_dir/REPORT.md``) and its PNGs."""
+def build_report(results_dir: str | Path, out: str | Path | None = None, include_archive: bool = False) -> Report:
+    """Read ``results_dir`` (its ``archive`` folders too with ``include_archive``), write the markdown
+    (default ``results_dir/REPORT.md``) and its PNGs."""
     results_dir = Path(results_dir)
-    files, ignored = load_results(results_dir)
+    files, ignored = load_results(results_dir, include_archive)
     out = Path(out) if out else results_dir / "REPORT.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     rep = Report(out.parent)

@@ -1,5 +1,5 @@
 """Prefill once, decode under many speculative configs: a snapshot of one request's prefilled state
-and forks of it into fresh engines (benchmark-only; issue 6's acceptance sweeps on CPU).
+and forks of it into fresh engines (benchmark-only; the acceptance sweeps on CPU).
 
 A long prefill costs far more than decoding on a CPU, and it is the same for every SpecConfig: the
 target's KV / recurrent state do not depend on the mode (DESIGN §1), and a draft slot's K/V are

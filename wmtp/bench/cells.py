@@ -1,4 +1,4 @@
-"""Engines and measurements for the sweeps (issue 5; DESIGN §6).
+"""Engines and measurements for the sweeps (DESIGN §6).
 
 A ``Cell`` is one engine configuration (mode, d, S, window, pools). A ``Measure`` is one timed block
 run on a live engine of that cell. Measures never change the pools, so every measure a suite needs

@@ -86,10 +86,10 @@ def step_bytes(model: CausalLM, spec: SpecConfig, context: int, distinct: dict[i
 
 
 # (block, warps, programs per SM, unroll) of the streaming read: the three fastest of a 112-launch sweep
-# on the H200 (4.45, 4.44, 4.40 TB/s over 4 GiB; tuning/read_bandwidth_s11.json)
+# on the H200 (4.45, 4.44, 4.40 TB/s over 4 GiB; 1826005)
 READ_CONFIGS = ((2048, 8, 8, 4), (2048, 8, 4, 4), (2048, 8, 16, 1))
-# One round's median of 20 reads moved 4.27-4.43 TB/s between runs of one lease (tuning/
-# merge_one_round_s11/); a floor over a low reading is too high and flatters T_iter / floor, so each
+# One round's median of 20 reads moved 4.27-4.43 TB/s between runs on one machine; a floor over a
+# low reading is too high and flatters T_iter / floor, so each
 # timing takes the best of rounds interleaved over the configurations.
 BANDWIDTH_ROUNDS = 3
 
@@ -123,7 +123,7 @@ def measure_bandwidth(device: torch.device, gib: float = 4.0, reps: int = 20, ro
     """HBM bandwidth of ``gib`` GiB on ``device``: ``read_bytes_per_s``, the floor's denominator
     (DESIGN §6: read bandwidth), is the fastest streaming read (``stream_xor``) of ``READ_CONFIGS``;
     ``copy_bytes_per_s`` (a device-to-device copy, bytes read + written) is kept beside it (the
-    floors of sessions 3-10 divided by it). Each is the best of ``rounds`` medians of ``reps``."""
+    floors of results written before f55cfea divided by it). Each is the best of ``rounds`` medians of ``reps``."""
     from wmtp.kernels.stream import stream_xor
 
     n = int(gib * 2**30) // 4 * 4

@@ -32,8 +32,8 @@ def describe_gpu_state(state: dict[str, str] | None) -> str | None:
 
 def gpu_state(device) -> dict[str, str] | None:
     """The GPU's SM / memory clocks (MHz), power draw and limit (W), temperature (C) and active
-    clock-event (throttle) reasons from ``nvidia-smi``, read now; None off CUDA or without it. Leases
-    of the same GPU model differ in T_iter by a few percent: this says whether clocks differed."""
+    clock-event (throttle) reasons from ``nvidia-smi``, read now; None off CUDA or without it. Two
+    machines of the same GPU model differ in T_iter by a few percent: this says whether clocks differed."""
     import shutil
     import subprocess
 

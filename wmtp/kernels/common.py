@@ -110,7 +110,7 @@ def pdl(device: torch.device) -> dict[str, bool]:
     constexpr, and Triton's ``launch_pdl`` where it is on. A decode step is hundreds of short
     kernels; with PDL the next one is scheduled during the previous one's last wave instead of after
     it: 0.5-0.6 us a launch in a CUDA graph of chained GEMVs, and a dense 1.04M-token step 2.9%
-    shorter, on the H200 (tuning/pdl_s12/). On for CUDA devices of compute capability 9.0+
+    shorter, on the H200 (2543520; benchmarks/results/HISTORY.md). On for CUDA devices of compute capability 9.0+
     (griddepcontrol), off under the CPU interpreter and with ``WMTP_PDL=0``."""
     on = (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("WMTP_PDL") != "0"
           and _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device()))

@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover
 
 # Longer pieces (prefill chunks) go to the chunked reference / fla path.
 MAX_RECURRENT_TOKENS = 16
-# gdn_decode's tile (value dims per program) and warps, fastest on the H200 (tuning/tune_gdn_s9.json);
+# gdn_decode's tile (value dims per program) and warps, fastest on the H200 (benchmarks/tune_gdn.py);
 # the rollback's replay takes the same so its reductions, and so its states, are the verify's.
 DECODE_BLOCK_V, DECODE_WARPS = 16, 1
 
@@ -366,7 +366,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
     context [C, 3] in x's dtype). A prefill chunk's conv in torch is a transpose, a cat, a generic
     depthwise conv and a SiLU over [T, C] each. The default tile is the fastest of a 36-launch H200
     sweep: 196 against 1,363 us for the torch path over an 8192 x 8192 bf16 chunk
-    (tuning/ttft_conv_prefill_s11/log.txt; ``benchmarks/tune_conv_prefill.py``)."""
+    (``benchmarks/tune_conv_prefill.py``)."""
     T, C = x.shape
     if weight.shape != (C, 4) or conv_state.shape != (C, 3):
         raise ValueError(f"causal_conv1d_prefill: weight {tuple(weight.shape)} must be [{C}, 4] and conv_state "

@@ -96,14 +96,13 @@ if triton is not None:
 def linear_tiles(rows: int, n: int, k: int) -> LinearTiles | None:
     """The kernel's tiles for ``rows`` x [n, k], or None where cuBLAS is as fast or it was not
     measured: more than ``MAX_ROWS`` rows, outputs between 4096 and 12288 wide or over 16384.
-    Measured on the H200 against cuBLAS (``benchmarks/tune_linear.py``; tuning/tune_linear_s8.json,
-    tune_linear_s9.json):
+    Measured on the H200 against cuBLAS (``benchmarks/tune_linear.py``):
     4096 -> 2048 at 32 x 256 tiles in 4 K splits, 7.8 us against 8.9 (1 row) / 9.8 (8 rows); the
     2048 -> 256 router at 16 x 128 in 8 splits, 3.9 against 5.7-5.8; the GDN in_proj 2048 -> 12352
     unsplit at 32 x 128, 4 stages, 14.1 / 14.5 against 15.5 / 15.9; the attention qkv 2048 -> 9216
     lost at every tile (12.0 at best against 11.6-11.8), so that width stays on cuBLAS. A draft step's
     lm_head (1 row, 2048 -> 248,320) at 64 x 256: 276.4 us against 279.6 alone
-    (tuning/pdl_s12/lm_head_probe.json), and in a graph without cuBLAS's memset and the ~2-5 us gap
+    (timed alone), and in a graph without cuBLAS's memset and the ~2-5 us gap
     before its kernel; at 8 rows cuBLAS wins (266.0 against 280.8 at best)."""
     if rows == 1 and n > 16384:
         return LinearTiles(64, 256, 1, 4)

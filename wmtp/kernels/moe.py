@@ -266,8 +266,7 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch
     buf = torch.empty(P * N + Ts * Ns, device=x.device, dtype=x.dtype)
     if P + Ts:
         # 8 warps; 8 x 256 tiles for a token's 8 pairs, 16 x 128 for a verify's 56: best on the H200
-        # for the 35B shape with the shared rows folded in (9.8 / 52.7 us;
-        # benchmarks/results/h200/tuning/tune_moe_s6.json)
+        # for the 35B shape with the shared rows folded in (9.8 / 52.7 us; benchmarks/tune_moe.py)
         tile = (16, 128) if P + Ts >= 32 else (8, 256)
         cfg = {"BLOCK_N": launch_tile(tile[0], max(N, Ns)), "BLOCK_K": launch_tile(tile[1], K), "num_warps": 8,
                **launch}
@@ -301,7 +300,7 @@ def down_combine(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, top_w: 
     if T:
         # the [top_k, BLOCK_N, BLOCK_K] weight tile is held in registers: 8 x 8 x 128 at 8 warps is 32
         # values a thread for top_k 8; best on the H200 at 1 and 7 tokens (5.1 / 31.0 us, vs 9.2 / 40.2
-        # at 4 warps; benchmarks/results/h200/tuning/tune_moe_s6.json)
+        # at 4 warps; benchmarks/tune_moe.py)
         cfg = {"BLOCK_N": launch_tile(8, N), "BLOCK_K": launch_tile(128, K), "num_warps": 8, **launch}
         hs, ws, sl = (out, out, out) if shared is None else (shared[0].contiguous(), shared[1], shared[2].float().contiguous())
         _down_combine_kernel[(T, triton.cdiv(N, cfg["BLOCK_N"]))](

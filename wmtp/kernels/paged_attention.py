@@ -187,7 +187,7 @@ if triton is not None:
             full_end = lo + tl.maximum(tl.minimum(hi, q_first + 1) - lo, 0) // BLOCK_N * BLOCK_N
             tile = tl.arange(0, BLOCK_N)[:, None] * stride_kt + dims[None, :]
             # each tile's page is loaded one tile ahead: a lookup feeding the same tile's K / V
-            # addresses stalls the pipelined loads (tuning/s14/attn_table_prefetch)
+            # addresses stalls the pipelined loads (b586c5c)
             tile_page = tl.load(table_ptr + b * table_stride + lo // page_size, mask=lo < full_end, other=0).to(tl.int32)
             for j0 in range(lo, full_end, BLOCK_N):
                 base = (tile_page * page_size + j0 % page_size).to(tl.int64) * stride_kt + kvh * stride_kh
@@ -203,7 +203,7 @@ if triton is not None:
             # the tail (the causal edge, the split's end) still has one page per tile: the same scalar
             # addressing with masks. The general loop's [BLOCK_N, D] int64 addresses, compiled beside
             # the main loop, cost it registers: 7 queries over 1.04M keys ran 0.55 ms with them,
-            # 0.50 without (64-key tiles, H200; tuning/s14/attn_variants)
+            # 0.50 without (64-key tiles, H200; 257b301)
             for j0 in range(full_end, hi, BLOCK_N):
                 base = (tl.load(table_ptr + b * table_stride + j0 // page_size).to(tl.int32) * page_size
                         + j0 % page_size).to(tl.int64) * stride_kt + kvh * stride_kh
@@ -337,7 +337,7 @@ def _num_sms(device: torch.device) -> int:
 # Launches with more than this many queries per request are prefill chunks: compute-bound, they take
 # FlashAttention-style tiles, and the output gate after the kernel (its load in the unsplit epilogue
 # slowed the prefill main loop by 10% on the H200: 4.05 vs 3.67 s of attention in a 131,072-token
-# prefill, tuning/ttft_bisect_s10); decode / verify keep it fused.
+# prefill); decode / verify keep it fused.
 PREFILL_MIN_Q = 64
 
 # The split merge's tile: up to MERGE_MAX_BLOCK_S splits per load round (a 1.04M-key verify runs 132)
@@ -365,7 +365,7 @@ def paged_attention(
 
     ``num_splits`` (default: about two programs per SM) cuts each request's keys;
     ``block_n`` / ``num_warps`` / ``num_stages`` / ``max_rows`` (query rows x GQA group per tile)
-    override the launch configuration (tuning runs, ``benchmarks/tune_attention.py``).
+    override the launch configuration (``benchmarks/tune_attention.py``).
     """
     if triton is None:
         raise RuntimeError("paged_attention needs triton (pip install 'wmtp[gpu]' or triton==3.6.0)")
@@ -396,12 +396,12 @@ def paged_attention(
     plain_pages = not meta.ring and not meta.may_window
     if big_tile and block_n is None and prefill_tile:
         # [128, 256] query rows over 64-key tiles, 8 warps: 21.1 against 24.2 ms for the [64, 256]
-        # decode tile (8192 queries over 73,728 keys on the H200; tuning/tune_attention_prefill_s10.json)
+        # decode tile (8192 queries over 73,728 keys on the H200; benchmarks/tune_attention.py)
         block_n, num_warps, num_stages = 64, num_warps or 8, num_stages or 2
     elif big_tile and block_n is None and plain_pages and meta.page_size % 64 == 0 and k_cache.element_size() == 2:
         # a [64, 256] fp32 accumulator over whole pages (16-bit K / V: three stages of 64-key tiles
         # fit in shared memory): 0.50 against 0.52 ms for 32-key tiles, 4 stages (7 verify queries
-        # over 1.04M keys, H200; tuning/s14/attn_variants, attn_table_prefetch)
+        # over 1.04M keys, H200; 257b301, 5cee913)
         block_n, num_warps, num_stages = 64, num_warps or 4, num_stages or 3
     elif big_tile and block_n is None:
         # the general path: 4 warps over 32-key tiles, 2 stages measured best on the H200 (0.78 vs
@@ -412,7 +412,7 @@ def paged_attention(
     num_splits = num_splits or meta.num_splits
     if num_splits is None:
         # two programs per SM: at 1.04M keys 132 splits beat 264 (0.49 vs 0.50 ms decode, 0.55 vs
-        # 0.58 ms verify of 8 queries; tuning/tune_attention_contig.json) — half the partials to merge
+        # 0.58 ms verify of 8 queries; benchmarks/tune_attention.py) — half the partials to merge
         num_splits = min(max_splits, max(1, math.ceil(2 * _num_sms(q.device) / programs)))
     num_splits = max(1, min(num_splits, max_splits))
     out = torch.empty_like(q)
