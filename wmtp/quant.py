@@ -1,0 +1,321 @@
+"""Quantized weight formats (DESIGN §9): the public checkpoint formats, read, checked, written and
+dequantized here and nowhere else (the loader, the writer, the kernels' wrappers and the bytes floor
+all use this module).
+
+**NVFP4** (NVIDIA ModelOpt, ``quant_algo: NVFP4``), per quantized linear ``<name>``:
+
+- ``<name>.weight`` uint8 [N, K / 2]: two e2m1 codes per byte, input 2j in the low nibble, 2j + 1 in
+  the high one (code: sign bit 3, then the magnitude index into 0, 0.5, 1, 1.5, 2, 3, 4, 6);
+- ``<name>.weight_scale`` float8_e4m3fn [N, K / 16]: one scale per 16 inputs;
+- ``<name>.weight_scale_2`` float32 scalar: the second, per-tensor level;
+- ``<name>.input_scale`` float32 scalar: the activations' scale of W4A4 paths; a weight-only path
+  never uses it, but it is loaded and checked like the rest.
+
+``w[n, k] = e2m1(code[n, k]) * weight_scale[n, k // 16] * weight_scale_2``.
+
+**Block FP8** (``quant_method: fp8`` with ``weight_block_size: [128, 128]``, as in Qwen's ``-FP8``
+releases; ModelOpt's ``FP8_PB_WO`` spells the same tensors):
+
+- ``<name>.weight`` float8_e4m3fn [N, K];
+- ``<name>.weight_scale_inv`` float32 [ceil(N / 128), ceil(K / 128)].
+
+``w[n, k] = weight[n, k] * weight_scale_inv[n // 128, k // 128]``.
+
+The config is read from ``hf_quant_config.json`` (``{"quantization": {"quant_algo", "group_size",
+"exclude_modules"}}``) or from config.json's ``quantization_config`` (``quant_method`` "modelopt"
+with ``quant_algo`` and ``ignore`` / ``exclude_modules``, or "fp8" with ``weight_block_size`` and
+``modules_to_not_convert``). Modules on the exclude list (fnmatch patterns over module names) stay
+in the checkpoint's dtype. Anything else (another method or algorithm, a missing or misshapen scale)
+is a ``CheckpointError`` naming the file, field or tensor: never a silent fallback to 16 bits.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from wmtp.errors import CheckpointError
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+#: magnitudes of the e2m1 codes 0..7 (code 8..15: the same, negative)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+Tensors = dict[str, torch.Tensor]  # suffix ("weight", "weight_scale", ...) -> tensor
+
+
+# ---- e2m1 codes ---------------------------------------------------------------------------------
+
+
+def e2m1_table(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 16 code values [16] float32 (codes 8..15 are the negatives of 0..7; code 8 is -0)."""
+    mag = torch.tensor(E2M1_VALUES, device=device)
+    return torch.cat([mag, -mag])
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest e2m1 codes [same shape] uint8 of ``x`` (already divided by its scales;
+    saturating at ±6). Ties go to the even magnitude index, as IEEE rounding does."""
+    mag = x.abs().clamp(max=E2M1_MAX)
+    # midpoints between consecutive magnitudes; at a tie the lower (even) index wins where it is even
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=x.device, dtype=mag.dtype)
+    idx = torch.bucketize(mag, mids, right=False)  # mag <= mid -> lower index
+    tie_up = torch.isin(mag, mids) & (idx % 2 == 1)  # a tie whose lower index is odd rounds up to even
+    idx = idx + tie_up.to(idx.dtype)
+    return (idx + 8 * (x < 0).to(idx.dtype)).to(torch.uint8)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] codes -> [..., K / 2] bytes, input 2j in the low nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_e2m1: the last dim {codes.shape[-1]} must be even")
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K / 2] bytes -> [..., K] codes (the inverse of ``pack_e2m1``)."""
+    lo, hi = packed & 0xF, packed >> 4
+    return torch.stack([lo, hi], dim=-1).flatten(-2)
+
+
+# ---- formats ------------------------------------------------------------------------------------
+
+
+class QuantFormat(ABC):
+    """One weight format: the tensors a quantized linear has in a checkpoint (``suffixes``), their
+    checks, round-to-nearest quantization (random-weight checkpoints), the reference dequantization
+    (the twin every kernel is tested against) and the bytes a GEMV reads (the floor, DESIGN §6).
+    Weights are [N, K] or, for packed experts, [E, N, K]: leading dims ride along."""
+
+    name: str
+    suffixes: tuple[str, ...]
+
+    @abstractmethod
+    def check(self, name: str, t: Tensors, n: int, k: int) -> None:
+        """Raise ``CheckpointError`` naming ``name.<suffix>`` and what was expected unless ``t`` holds a
+        well-formed [.., n, k] weight."""
+
+    @abstractmethod
+    def quantize(self, w: torch.Tensor) -> Tensors:
+        """Round-to-nearest quantization of ``w`` [..., N, K] (any float dtype)."""
+
+    @abstractmethod
+    def dequantize(self, t: Tensors, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [..., N, K] in ``dtype`` (computed in fp32, one rounding to ``dtype``)."""
+
+    @abstractmethod
+    def weight_bytes(self, n: int, k: int) -> int:
+        """Bytes of one [n, k] weight a kernel must read: the packed weight and every scale level."""
+
+    def _require(self, name: str, t: Tensors) -> None:
+        missing = [s for s in self.suffixes if s not in t]
+        if missing:
+            raise CheckpointError(f"{name}: {self.name} weight lacks {', '.join(f'{name}.{s}' for s in missing)}")
+
+
+def _expect(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> None:
+    if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+        raise CheckpointError(f"{name}: {what} must be {dtype} {list(shape)}, got {tensor.dtype} {list(tensor.shape)}")
+
+
+def _scalar(name: str, tensor: torch.Tensor, what: str) -> None:
+    if tensor.dtype != torch.float32 or tensor.numel() != 1 or tensor.dim() > 1:
+        raise CheckpointError(f"{name}: {what} must be one float32 value, got {tensor.dtype} {list(tensor.shape)}")
+
+
+class NVFP4(QuantFormat):
+    name = "nvfp4"
+    suffixes = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+
+    def __init__(self, group_size: int = 16) -> None:
+        if group_size != 16:
+            raise CheckpointError(f"NVFP4: group_size {group_size}; the format has one scale per 16 inputs")
+        self.group = group_size
+
+    def check(self, name: str, t: Tensors, n: int, k: int) -> None:
+        self._require(name, t)
+        if k % self.group:
+            raise CheckpointError(f"{name}: NVFP4 needs in_features ({k}) to be a multiple of {self.group}")
+        lead = tuple(t["weight"].shape[:-2])
+        _expect(f"{name}.weight", t["weight"], torch.uint8, (*lead, n, k // 2), "the packed e2m1 weight")
+        _expect(f"{name}.weight_scale", t["weight_scale"], torch.float8_e4m3fn, (*lead, n, k // self.group),
+                "the per-16-input scale")
+        for s in ("weight_scale_2", "input_scale"):
+            x = t[s]
+            if lead and x.numel() == math.prod(lead):  # packed experts: one value per expert
+                continue
+            _scalar(f"{name}.{s}", x, "the per-tensor scale" if s == "weight_scale_2" else "the input scale")
+
+    def quantize(self, w: torch.Tensor) -> Tensors:
+        *lead, n, k = w.shape
+        w32 = w.float()
+        amax = w32.abs().amax(dim=(-2, -1), keepdim=True).clamp(min=1e-12)  # per tensor (per expert)
+        scale_2 = amax / (E2M1_MAX * E4M3_MAX)
+        blocks = w32.view(*lead, n, k // self.group, self.group)
+        block_scale = (blocks.abs().amax(-1) / E2M1_MAX / scale_2).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+        denom = block_scale.float()[..., None] * scale_2[..., None]
+        codes = e2m1_codes(torch.where(denom > 0, blocks / denom, 0.0)).view(*lead, n, k)
+        shape = tuple(lead) if lead else ()
+        return {"weight": pack_e2m1(codes), "weight_scale": block_scale, "weight_scale_2": scale_2.reshape(shape),
+                "input_scale": torch.ones(shape, device=w.device)}
+
+    def dequantize(self, t: Tensors, dtype: torch.dtype) -> torch.Tensor:
+        codes = unpack_e2m1(t["weight"])
+        *lead, n, k = codes.shape
+        vals = e2m1_table(codes.device)[codes.long()]
+        scale = t["weight_scale"].float().repeat_interleave(self.group, dim=-1)
+        scale_2 = t["weight_scale_2"].float().reshape(*lead, 1, 1) if lead else t["weight_scale_2"].float().reshape(())
+        return (vals * scale * scale_2).to(dtype)
+
+    def weight_bytes(self, n: int, k: int) -> int:
+        return n * k // 2 + n * (k // self.group) + 4
+
+
+class FP8Block(QuantFormat):
+    name = "fp8"
+    suffixes = ("weight", "weight_scale_inv")
+
+    def __init__(self, block: tuple[int, int] = (128, 128)) -> None:
+        if len(block) != 2 or min(block) < 1:
+            raise CheckpointError(f"FP8: weight_block_size {list(block)} must be two positive ints")
+        self.block = tuple(int(b) for b in block)
+
+    def _grid(self, n: int, k: int) -> tuple[int, int]:
+        return -(-n // self.block[0]), -(-k // self.block[1])
+
+    def check(self, name: str, t: Tensors, n: int, k: int) -> None:
+        self._require(name, t)
+        lead = tuple(t["weight"].shape[:-2])
+        _expect(f"{name}.weight", t["weight"], torch.float8_e4m3fn, (*lead, n, k), "the fp8 weight")
+        _expect(f"{name}.weight_scale_inv", t["weight_scale_inv"], torch.float32, (*lead, *self._grid(n, k)),
+                f"the scale per {self.block[0]} x {self.block[1]} block")
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., N, K] -> [..., N, K] of the block index grid's values broadcast (padding cut off)."""
+        bn, bk = self.block
+        return x.repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)
+
+    def quantize(self, w: torch.Tensor) -> Tensors:
+        *lead, n, k = w.shape
+        gn, gk = self._grid(n, k)
+        bn, bk = self.block
+        pad = torch.nn.functional.pad(w.float(), (0, gk * bk - k, 0, gn * bn - n))
+        amax = pad.view(*lead, gn, bn, gk, bk).abs().amax(dim=(-3, -1)).clamp(min=1e-12)
+        scale_inv = amax / E4M3_MAX
+        q = (w.float() / self._blocks(scale_inv)[..., :n, :k]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        return {"weight": q, "weight_scale_inv": scale_inv}
+
+    def dequantize(self, t: Tensors, dtype: torch.dtype) -> torch.Tensor:
+        w = t["weight"]
+        n, k = w.shape[-2:]
+        return (w.float() * self._blocks(t["weight_scale_inv"].float())[..., :n, :k]).to(dtype)
+
+    def weight_bytes(self, n: int, k: int) -> int:
+        gn, gk = self._grid(n, k)
+        return n * k + 4 * gn * gk
+
+
+# ---- the checkpoint's quantization config --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A checkpoint's weight format and the modules it leaves unquantized (fnmatch patterns over
+    module names as the checkpoint spells them, e.g. ``lm_head``, ``model.layers.*.mlp.gate``)."""
+
+    format: QuantFormat
+    exclude: tuple[str, ...] = ()
+    source: str = ""  # the file and field it was read from, for error messages
+
+    def excluded(self, module: str) -> bool:
+        """Whether ``module`` (``model.layers.3.mlp.gate``) stays in the checkpoint's dtype."""
+        return any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(module, p + ".*") for p in self.exclude)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: str | Path) -> "QuantConfig | None":
+        """The checkpoint's config (None: not quantized). hf_quant_config.json wins over config.json."""
+        ckpt = Path(ckpt)
+        hf = ckpt / "hf_quant_config.json"
+        if hf.exists():
+            obj = _read_json(hf)
+            q = obj.get("quantization")
+            if not isinstance(q, dict):
+                raise CheckpointError(f"{hf}: no \"quantization\" object")
+            return cls._modelopt(q, f"{hf}: quantization", q.get("exclude_modules"))
+        cfg = ckpt / "config.json"
+        q = _read_json(cfg).get("quantization_config") if cfg.exists() else None
+        if q is None:
+            return None
+        where = f"{cfg}: quantization_config"
+        if not isinstance(q, dict):
+            raise CheckpointError(f"{where} must be an object")
+        method = q.get("quant_method")
+        if method == "modelopt":
+            return cls._modelopt(q, where, q.get("ignore", q.get("exclude_modules")))
+        if method == "fp8":
+            block = q.get("weight_block_size")
+            if block is None:
+                raise CheckpointError(f"{where}: quant_method fp8 without weight_block_size (per-tensor FP8 is not "
+                                      "supported; block-scaled FP8 is)")
+            if q.get("fmt", "e4m3") != "e4m3":
+                raise CheckpointError(f"{where}: fmt {q.get('fmt')!r}; only e4m3 is supported")
+            return cls(FP8Block(tuple(block)), _patterns(q.get("modules_to_not_convert"), where), where)
+        raise CheckpointError(f"{where}: quant_method {method!r} is not supported (supported: modelopt NVFP4 / "
+                              "FP8_PB_WO, fp8 with weight_block_size)")
+
+    @classmethod
+    def _modelopt(cls, q: dict, where: str, exclude) -> "QuantConfig":
+        algo = q.get("quant_algo")
+        if algo == "NVFP4":
+            return cls(NVFP4(int(q.get("group_size", 16))), _patterns(exclude, where), where)
+        if isinstance(algo, str) and algo.upper() == "FP8_PB_WO":
+            block = q.get("block_size", q.get("weight_block_size", [128, 128]))
+            return cls(FP8Block(tuple(block)), _patterns(exclude, where), where)
+        raise CheckpointError(f"{where}: quant_algo {algo!r} is not supported (supported: NVFP4, FP8_PB_WO)")
+
+    def config_entries(self) -> tuple[dict | None, dict]:
+        """What a checkpoint of this format carries: (hf_quant_config.json or None, config.json's
+        ``quantization_config``), spelled as the public releases spell them."""
+        if isinstance(self.format, NVFP4):
+            q = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": self.format.group,
+                 "exclude_modules": list(self.exclude)}
+            return ({"producer": {"name": "modelopt"}, "quantization": q},
+                    {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": self.format.group,
+                     "ignore": list(self.exclude)})
+        return None, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                      "weight_block_size": list(self.format.block), "modules_to_not_convert": list(self.exclude)}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        obj = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return obj
+
+
+def _patterns(exclude, where: str) -> tuple[str, ...]:
+    if exclude is None:
+        return ()
+    if not isinstance(exclude, list) or not all(isinstance(p, str) for p in exclude):
+        raise CheckpointError(f"{where}: the exclude list must be a list of module-name patterns, got {exclude!r}")
+    return tuple(exclude)
+
+
+FORMATS = {"nvfp4": lambda: NVFP4(), "fp8": lambda: FP8Block()}
+
+
+def default_config(name: str, exclude: tuple[str, ...]) -> QuantConfig:
+    """The format ``name`` (``nvfp4`` | ``fp8``) with the public releases' defaults."""
+    if name not in FORMATS:
+        raise CheckpointError(f"quantization {name!r}; supported: {sorted(FORMATS)}")
+    return QuantConfig(FORMATS[name](), tuple(exclude), f"--quantize {name}")
