@@ -10,22 +10,33 @@ if TYPE_CHECKING:  # pragma: no cover
     from wmtp.models.model import CausalLM
 
 
-def load_model(path_or_preset: str, device: str = "cpu", dtype: Any = None, seed: int = 0, backend: str = "torch") -> "CausalLM":
-    """A checkpoint directory (config.json + safetensors) or a preset name (random weights made
-    directly on ``device``). ``dtype`` defaults to the checkpoint's / preset's own."""
+def load_model(path_or_preset: str, device: str = "cpu", dtype: Any = None, seed: int = 0, backend: str = "torch",
+               quantize: str | None = None) -> "CausalLM":
+    """A checkpoint directory (config.json + safetensors; quantized ones as their config says) or a
+    preset name (random weights made directly on ``device``; quantized as the preset says, or to
+    ``quantize`` = ``nvfp4`` | ``fp8`` by round-to-nearest). ``dtype`` (of what stays unquantized)
+    defaults to the checkpoint's / preset's own."""
     from pathlib import Path
 
+    from wmtp.errors import CheckpointError
     from wmtp.models.loader import build_model, init_random_, load_checkpoint, resolve_dtype
     from wmtp.presets import PRESETS, preset_config
+    from wmtp.quant import DEFAULT_EXCLUDE, QuantConfig, default_config
 
     if Path(path_or_preset).is_dir():
+        if quantize is not None:
+            raise CheckpointError(f"{path_or_preset}: quantize={quantize!r} applies to presets; a checkpoint "
+                                  "carries its own format")
         return load_checkpoint(path_or_preset, device=device, dtype=dtype, backend=backend)
     if path_or_preset not in PRESETS and ("/" in path_or_preset or Path(path_or_preset).exists()):
-        from wmtp.errors import CheckpointError
-
         raise CheckpointError(f"{path_or_preset}: no such checkpoint directory (and not a preset name)")
     cfg = preset_config(path_or_preset)
-    model = build_model(cfg, device, resolve_dtype(dtype, cfg.torch_dtype), backend)
+    raw_quant = PRESETS[path_or_preset].get("quantization_config")
+    if quantize is not None:
+        quant = default_config(quantize, DEFAULT_EXCLUDE)
+    else:
+        quant = None if raw_quant is None else QuantConfig.from_config_dict(raw_quant, f"preset {path_or_preset}")
+    model = build_model(cfg, device, resolve_dtype(dtype, cfg.torch_dtype), backend, quant)
     return init_random_(model, seed)
 
 

@@ -24,6 +24,8 @@ def _make_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="where the random weights are made (cuda for big presets)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the preset's)")
     p.add_argument("--expert-layout", choices=["per_expert", "packed"], default="per_expert")
+    p.add_argument("--quantize", choices=["nvfp4", "fp8"], default=None,
+                   help="weights as ModelOpt NVFP4 or block FP8 (round to nearest), named as the public releases")
     p.add_argument("--max-shard-gb", type=float, default=4.0)
 
 
@@ -32,7 +34,7 @@ def make_checkpoint(a: argparse.Namespace) -> int:
     from wmtp.models.loader import save_checkpoint
     from wmtp.tokenizer import build_tiny_tokenizer
 
-    model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, seed=a.seed)
+    model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, seed=a.seed, quantize=a.quantize)
     out = save_checkpoint(model, a.out, expert_layout=a.expert_layout, max_shard_bytes=int(a.max_shard_gb * 2**30))
     build_tiny_tokenizer(model.config.vocab_size, out)
     n = sum(p.numel() for p in model.parameters())

@@ -106,13 +106,33 @@ class QuantFormat(ABC):
     def quantize(self, w: torch.Tensor) -> Tensors:
         """Round-to-nearest quantization of ``w`` [..., N, K] (any float dtype)."""
 
-    @abstractmethod
+    row_vectors: tuple[str, ...] = ()  # model-layout tensors with one value per row ([.., N])
+
     def dequantize(self, t: Tensors, dtype: torch.dtype) -> torch.Tensor:
-        """The weight [..., N, K] in ``dtype`` (computed in fp32, one rounding to ``dtype``)."""
+        """A checkpoint weight [..., N, K] in ``dtype`` (computed in fp32, one rounding to ``dtype``)."""
+        return self.dequantize_rows(self.to_model(t, t["weight"].shape[-2]), dtype)
+
+    @abstractmethod
+    def dequantize_rows(self, t: Tensors, dtype: torch.dtype) -> torch.Tensor:
+        """``dequantize`` of the model's per-row layout: the reference every kernel is tested against."""
 
     @abstractmethod
     def weight_bytes(self, n: int, k: int) -> int:
         """Bytes of one [n, k] weight a kernel must read: the packed weight and every scale level."""
+
+    @abstractmethod
+    def model_shapes(self, n: int, k: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The model's tensors of an [n, k] weight (``QuantWeight``): per row, so the rows of packed
+        projections (q / k / v parts) and of experts concatenate: suffix -> (shape, dtype)."""
+
+    @abstractmethod
+    def to_model(self, t: Tensors, n: int) -> Tensors:
+        """A checkpoint's tensors of one [.., n, k] weight in the model's per-row layout."""
+
+    @abstractmethod
+    def to_checkpoint(self, t: Tensors) -> Tensors:
+        """The inverse of ``to_model`` for one checkpoint weight's rows (their shared scales are equal
+        across the rows by construction)."""
 
     def _require(self, name: str, t: Tensors) -> None:
         missing = [s for s in self.suffixes if s not in t]
@@ -133,6 +153,7 @@ def _scalar(name: str, tensor: torch.Tensor, what: str) -> None:
 class NVFP4(QuantFormat):
     name = "nvfp4"
     suffixes = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+    row_vectors = ("weight_scale_2", "input_scale")
 
     def __init__(self, group_size: int = 16) -> None:
         if group_size != 16:
@@ -166,16 +187,27 @@ class NVFP4(QuantFormat):
         return {"weight": pack_e2m1(codes), "weight_scale": block_scale, "weight_scale_2": scale_2.reshape(shape),
                 "input_scale": torch.ones(shape, device=w.device)}
 
-    def dequantize(self, t: Tensors, dtype: torch.dtype) -> torch.Tensor:
-        codes = unpack_e2m1(t["weight"])
-        *lead, n, k = codes.shape
-        vals = e2m1_table(codes.device)[codes.long()]
-        scale = t["weight_scale"].float().repeat_interleave(self.group, dim=-1)
-        scale_2 = t["weight_scale_2"].float().reshape(*lead, 1, 1) if lead else t["weight_scale_2"].float().reshape(())
-        return (vals * scale * scale_2).to(dtype)
-
     def weight_bytes(self, n: int, k: int) -> int:
         return n * k // 2 + n * (k // self.group) + 4
+
+    def model_shapes(self, n: int, k: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"weight": ((n, k // 2), torch.uint8), "weight_scale": ((n, k // self.group), torch.float8_e4m3fn),
+                "weight_scale_2": ((n,), torch.float32), "input_scale": ((n,), torch.float32)}
+
+    def to_model(self, t: Tensors, n: int) -> Tensors:
+        lead = tuple(t["weight"].shape[:-2])
+        per_row = {s: t[s].float().reshape(*lead, 1).expand(*lead, n).contiguous() for s in ("weight_scale_2", "input_scale")}
+        return {"weight": t["weight"], "weight_scale": t["weight_scale"], **per_row}
+
+    def to_checkpoint(self, t: Tensors) -> Tensors:
+        return {"weight": t["weight"], "weight_scale": t["weight_scale"],
+                **{s: t[s][..., 0].clone() for s in ("weight_scale_2", "input_scale")}}
+
+    def dequantize_rows(self, t: Tensors, dtype: torch.dtype) -> torch.Tensor:
+        codes = unpack_e2m1(t["weight"])
+        vals = e2m1_table(codes.device)[codes.long()]
+        scale = t["weight_scale"].float().repeat_interleave(self.group, dim=-1)
+        return (vals * scale * t["weight_scale_2"].float()[..., None]).to(dtype)
 
 
 class FP8Block(QuantFormat):
@@ -212,14 +244,65 @@ class FP8Block(QuantFormat):
         q = (w.float() / self._blocks(scale_inv)[..., :n, :k]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         return {"weight": q, "weight_scale_inv": scale_inv}
 
-    def dequantize(self, t: Tensors, dtype: torch.dtype) -> torch.Tensor:
-        w = t["weight"]
-        n, k = w.shape[-2:]
-        return (w.float() * self._blocks(t["weight_scale_inv"].float())[..., :n, :k]).to(dtype)
-
     def weight_bytes(self, n: int, k: int) -> int:
         gn, gk = self._grid(n, k)
         return n * k + 4 * gn * gk
+
+    def model_shapes(self, n: int, k: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        # the block scales repeated over each block's rows (4 bytes per 128 weights beside the
+        # checkpoint's 4 per 128 x 128): parts of any size then pack along N
+        return {"weight": ((n, k), torch.float8_e4m3fn), "weight_scale_inv": ((n, self._grid(n, k)[1]), torch.float32)}
+
+    def to_model(self, t: Tensors, n: int) -> Tensors:
+        rows = t["weight_scale_inv"].float().repeat_interleave(self.block[0], dim=-2)[..., :n, :]
+        return {"weight": t["weight"], "weight_scale_inv": rows.contiguous()}
+
+    def to_checkpoint(self, t: Tensors) -> Tensors:
+        return {"weight": t["weight"], "weight_scale_inv": t["weight_scale_inv"][..., :: self.block[0], :].contiguous()}
+
+    def dequantize_rows(self, t: Tensors, dtype: torch.dtype) -> torch.Tensor:
+        w = t["weight"]
+        scale = t["weight_scale_inv"].float().repeat_interleave(self.block[1], dim=-1)[..., : w.shape[-1]]
+        return (w.float() * scale).to(dtype)
+
+
+# ---- a quantized weight in the model ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A quantized weight as the model holds it and hands it to the backend (where a plain weight
+    tensor would go): the format and its per-row tensors (``QuantFormat.model_shapes``) of a
+    [N, K] weight, or of [E, N, K] experts. Rows slice and experts index like a tensor's."""
+
+    format: QuantFormat
+    tensors: Tensors
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.tensors["weight"].shape[:-1], self.in_features)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors["weight"].device
+
+    def rows(self, rows: slice) -> "QuantWeight":
+        vec = self.format.row_vectors
+        return QuantWeight(self.format, {s: t[..., rows] if s in vec else t[..., rows, :] for s, t in self.tensors.items()},
+                           self.in_features)
+
+    def __getitem__(self, expert: int) -> "QuantWeight":
+        return QuantWeight(self.format, {s: t[expert] for s, t in self.tensors.items()}, self.in_features)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The reference: the weight [.., N, K] in ``dtype``."""
+        return self.format.dequantize_rows(self.tensors, dtype)
+
+
+def dense(w: "torch.Tensor | QuantWeight", dtype: torch.dtype) -> torch.Tensor:
+    """A weight as a plain tensor: itself, or a quantized one dequantized (the reference path)."""
+    return w.dequantize(dtype) if isinstance(w, QuantWeight) else w
 
 
 # ---- the checkpoint's quantization config --------------------------------------------------------
@@ -251,9 +334,11 @@ class QuantConfig:
             return cls._modelopt(q, f"{hf}: quantization", q.get("exclude_modules"))
         cfg = ckpt / "config.json"
         q = _read_json(cfg).get("quantization_config") if cfg.exists() else None
-        if q is None:
-            return None
-        where = f"{cfg}: quantization_config"
+        return None if q is None else cls.from_config_dict(q, f"{cfg}: quantization_config")
+
+    @classmethod
+    def from_config_dict(cls, q: dict, where: str = "quantization_config") -> "QuantConfig":
+        """config.json's ``quantization_config`` (also what a quantized preset carries)."""
         if not isinstance(q, dict):
             raise CheckpointError(f"{where} must be an object")
         method = q.get("quant_method")
@@ -312,6 +397,10 @@ def _patterns(exclude, where: str) -> tuple[str, ...]:
 
 
 FORMATS = {"nvfp4": lambda: NVFP4(), "fp8": lambda: FP8Block()}
+#: what random-weight checkpoints and presets leave unquantized: the lm_head, the embedding and the
+#: routers / shared-expert gates (the public releases' lists name these; wmtp never quantizes norms,
+#: the GDN conv, A or dt, which are no linears)
+DEFAULT_EXCLUDE = ("lm_head", "*embed_tokens", "*.mlp.gate", "*.mlp.shared_expert_gate")
 
 
 def default_config(name: str, exclude: tuple[str, ...]) -> QuantConfig:

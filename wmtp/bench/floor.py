@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from wmtp.engine.config import SpecConfig
+from wmtp.models.layers import SparseMoE
+from wmtp.models.loader import quant_groups
 from wmtp.models.model import CausalLM
 
 
@@ -44,17 +46,38 @@ def _nbytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def _expert_bytes(moe: torch.nn.Module) -> int:
-    e = moe.experts
-    return (e.gate_up_proj[0].numel() + e.down_proj[0].numel()) * e.gate_up_proj.element_size()
+class _Weights:
+    """Bytes of a model's weights as a kernel must read them: float tensors whole; a quantized
+    weight as its format counts it (``QuantFormat.weight_bytes``: packed values and every scale
+    level of each checkpoint weight, not the model's per-row copies of per-tensor scales)."""
 
+    def __init__(self, model: CausalLM) -> None:
+        params = dict(model.named_parameters())
+        self.quantized: set[int] = set()
+        self.bytes_of: dict[int, int] = {}  # id(weight parameter) -> its quantized bytes (per expert for experts)
+        for g in quant_groups(model):
+            self.quantized |= {id(params[f"{g.param}.{s}"]) for s in g.fmt.suffixes}
+            w = id(params[f"{g.param}.weight"])
+            self.bytes_of[w] = self.bytes_of.get(w, 0) + g.fmt.weight_bytes(g.n, g.k)
 
-def _split(module: torch.nn.Module) -> tuple[int, list[torch.nn.Module]]:
-    """(bytes of non-routed-expert weights, the module's MoE blocks)."""
-    moes = [m for m in module.modules() if hasattr(m, "experts") and hasattr(m.experts, "gate_up_proj")]
-    expert_params = {id(p) for m in moes for p in m.experts.parameters()}
-    dense = _nbytes(p for p in module.parameters() if id(p) not in expert_params)
-    return dense, moes
+    def dense(self, params) -> int:
+        """Bytes of ``params`` (a module's), the quantized ones as their format counts them."""
+        params = list(params)
+        return (_nbytes(p for p in params if id(p) not in self.quantized)
+                + sum(self.bytes_of.get(id(p), 0) for p in params))
+
+    def expert(self, moe: torch.nn.Module) -> int:
+        """Bytes of one routed expert (gate, up and down)."""
+        e = moe.experts
+        if e.quant is not None:
+            return self.bytes_of[id(e.gate_up_proj.weight)] + self.bytes_of[id(e.down_proj.weight)]
+        return (e.gate_up_proj[0].numel() + e.down_proj[0].numel()) * e.gate_up_proj.element_size()
+
+    def split(self, module: torch.nn.Module) -> tuple[int, list[torch.nn.Module]]:
+        """(bytes of non-routed-expert weights, the module's MoE blocks)."""
+        moes = [m for m in module.modules() if isinstance(m, SparseMoE)]
+        expert_params = {id(p) for m in moes for p in m.experts.parameters()}
+        return self.dense(p for p in module.parameters() if id(p) not in expert_params), moes
 
 
 def step_bytes(model: CausalLM, spec: SpecConfig, context: int, distinct: dict[int, float], elt: int) -> StepBytes:
@@ -62,19 +85,20 @@ def step_bytes(model: CausalLM, spec: SpecConfig, context: int, distinct: dict[i
     cfg = model.config
     body = model.model
     emb = body.embed_tokens.weight
-    target_dense, target_moes = _split(body)
+    weights = _Weights(model)
+    target_dense, target_moes = weights.split(body)
     target_dense -= emb.numel() * emb.element_size()  # only the looked-up rows are read
     lm = model.lm_head.weight if model.lm_head is not None else emb
     lm_bytes = lm.numel() * lm.element_size()
     gamma = spec.gamma
-    target_experts = int(sum(distinct.get(id(m), 0) * _expert_bytes(m) for m in target_moes))
+    target_experts = int(sum(distinct.get(id(m), 0) * weights.expert(m) for m in target_moes))
     states = sum(l.conv_state[0].numel() * l.conv_state.element_size() + l.ssm_state[0].numel() * l.ssm_state.element_size()
                  for l in model.gdn_layers())
     draft_dense = draft_experts = draft_kv = 0
     if gamma and model.mtp is not None:
-        mtp_dense, mtp_moes = _split(model.mtp)
+        mtp_dense, mtp_moes = weights.split(model.mtp)
         draft_dense = gamma * mtp_dense
-        draft_experts = int(gamma * sum(distinct.get(id(m), 0) * _expert_bytes(m) for m in mtp_moes))
+        draft_experts = int(gamma * sum(distinct.get(id(m), 0) * weights.expert(m) for m in mtp_moes))
         win = spec.window_for(context)
         keys = context if win is None else min(context, win.sink + win.window)
         draft_kv = gamma * keys * cfg.draft_kv_bytes_per_token(elt) * max(cfg.num_nextn_predict_layers, 1)

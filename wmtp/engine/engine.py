@@ -412,7 +412,9 @@ class Engine:
         if any(h in vars(self) or getattr(type(self), h) is not getattr(Engine, h) for h in hooks):
             return None
         B, cfg = len(reqs), self.model.config
-        if self._graph_mode == "capture" and not self.model.backend.capturable_moe(B * self.spec.verify_tokens, cfg, self.dtype):
+        capturable = self.model.backend.capturable_moe(B * self.spec.verify_tokens, cfg, self.dtype,
+                                                       quantized=self.model.quant is not None)
+        if self._graph_mode == "capture" and not capturable:
             return None
         if B not in self.graphs:
             self.graphs[B] = DecodeGraphs(self.model, self.spec, self.eng, self.memory, B,

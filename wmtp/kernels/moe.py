@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from wmtp.kernels.common import SharedExpert, launch_tile, pdl
+from wmtp.quant import dense
 from wmtp.kernels.linear import decode_linear
 
 try:
@@ -321,9 +322,10 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_pr
 
 
 def shared_expert_reference(x: torch.Tensor, shared: SharedExpert) -> torch.Tensor:
-    """``sigmoid(gate(x)) * down(silu(gate_proj(x)) * up_proj(x))`` in plain PyTorch."""
-    h = F.silu(F.linear(x, shared.gate_proj)) * F.linear(x, shared.up_proj)
-    return torch.sigmoid(F.linear(x, shared.gate)) * F.linear(h, shared.down_proj)
+    """``sigmoid(gate(x)) * down(silu(gate_proj(x)) * up_proj(x))`` in plain PyTorch (quantized
+    weights through their reference dequantization)."""
+    h = F.silu(F.linear(x, dense(shared.gate_proj, x.dtype))) * F.linear(x, dense(shared.up_proj, x.dtype))
+    return torch.sigmoid(F.linear(x, shared.gate)) * F.linear(h, dense(shared.down_proj, x.dtype))
 
 
 def moe_gemv(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,

@@ -16,6 +16,7 @@ from wmtp.engine.window import causal_key_positions
 from wmtp.kernels.common import SharedExpert, acc_dtype
 from wmtp.models.context import ForwardContext
 from wmtp.models.rope import apply_rotary
+from wmtp.quant import QuantWeight, dense
 
 
 class Backend(ABC):
@@ -54,9 +55,11 @@ class Backend(ABC):
         return torch.cat([self.rms_norm(F.embedding(ids, embed), w_e, eps, offset),
                           self.rms_norm(hidden, w_h, eps, offset)], dim=-1)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear``: the model's projections and the draft's lm_head (``draft_logits``)."""
-        return F.linear(x, weight, bias)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """``F.linear``: the model's projections and the draft's lm_head (``draft_logits``); a
+        quantized weight through its reference dequantization."""
+        return F.linear(x, dense(weight, x.dtype), bias)
 
     def argmax(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Greedy choice ``logits.argmax(-1)`` of logits [T, V] as int64, written into ``out`` ([T],
@@ -293,9 +296,9 @@ class TorchBackend(Backend):
         inter = down.shape[-1]
         for e in torch.unique(top_i).tolist():
             rows, which = torch.where(top_i == e)
-            h = F.linear(x[rows], gate_up[e])
+            h = F.linear(x[rows], dense(gate_up[e], x.dtype))
             h = F.silu(h[:, :inter]) * h[:, inter:]
-            h = F.linear(h, down[e]) * top_w[rows, which, None]
+            h = F.linear(h, dense(down[e], x.dtype)) * top_w[rows, which, None]
             out.index_add_(0, rows, h.to(out.dtype))
         return out if shared is None else out + shared_expert_reference(x, shared)
 
@@ -378,6 +381,8 @@ class TritonBackend(TorchBackend):
     def linear(self, x, weight, bias=None):
         from wmtp.kernels.linear import decode_linear
 
+        if isinstance(weight, QuantWeight):  # no quantized GEMV kernel yet: the reference
+            return super().linear(x, weight, bias)
         return decode_linear(x, weight, bias)
 
     def argmax(self, logits, out=None):
@@ -415,17 +420,20 @@ class TritonBackend(TorchBackend):
 
         rollback_states(conv, ssm, rec_tokens, rec_windows, slots, accepted, n)
 
-    def capturable_moe(self, num_tokens: int, cfg, dtype: torch.dtype) -> bool:
+    def capturable_moe(self, num_tokens: int, cfg, dtype: torch.dtype, quantized: bool = False) -> bool:
         """Whether ``moe`` over ``num_tokens`` avoids host syncs (CUDA-graph capture): the pair-wise
-        GEMV and the grouped GEMM do; the reference's ``torch.unique`` does not."""
+        GEMV and the grouped GEMM do; the reference's ``torch.unique`` (also what quantized experts
+        take for now) does not."""
         from wmtp.kernels.moe import MAX_GEMV_PAIRS
 
+        if quantized and cfg.num_experts > 0:
+            return False
         return cfg.num_experts <= 0 or num_tokens * cfg.num_experts_per_tok <= MAX_GEMV_PAIRS or dtype == torch.bfloat16
 
     def moe(self, x, router_weight, gate_up, down, top_k, norm_topk_prob, shared=None):
         from wmtp.kernels.moe import MAX_GEMV_PAIRS, grouped_mm_supported, moe_gemv, routed_experts_grouped
 
-        if x.dtype == torch.float64:
+        if x.dtype == torch.float64 or isinstance(gate_up, QuantWeight):  # (no quantized MoE kernel yet)
             return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
         if x.shape[0] * top_k <= MAX_GEMV_PAIRS:
             return moe_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)

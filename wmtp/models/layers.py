@@ -17,6 +17,22 @@ from wmtp.config import ModelConfig
 from wmtp.kernels.common import SharedExpert
 from wmtp.models.backend import Backend
 from wmtp.models.context import ForwardContext
+from wmtp.quant import QuantFormat, QuantWeight
+
+
+def register_quant(module: nn.Module, fmt: QuantFormat, shape: tuple[int, ...]) -> None:
+    """Give ``module`` the parameters of a quantized weight of ``shape`` ([N, K], or [E, N, K]
+    experts) in ``fmt``'s per-row layout, named by their checkpoint suffixes (``weight``,
+    ``weight_scale``, ...), uninitialised, where (and on whatever device) the model is being built."""
+    *lead, n, k = shape
+    for suffix, (shp, dtype) in fmt.model_shapes(n, k).items():
+        if hasattr(module, suffix):
+            delattr(module, suffix)
+        module.register_parameter(suffix, nn.Parameter(torch.empty(*lead, *shp, dtype=dtype), requires_grad=False))
+
+
+def quant_weight(module: nn.Module, fmt: QuantFormat, in_features: int) -> QuantWeight:
+    return QuantWeight(fmt, {s: getattr(module, s) for s in fmt.suffixes}, in_features)
 
 
 class RMSNorm(nn.Module):
@@ -35,14 +51,24 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose forward is the backend's ``linear`` (decode-sized inputs may take a
-    kernel instead of cuBLAS)."""
+    kernel instead of cuBLAS). ``quantize_`` replaces the weight by a quantized format's tensors."""
+
+    quant: QuantFormat | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, backend: Backend) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.backend = backend
 
+    def quantize_(self, fmt: QuantFormat) -> None:
+        register_quant(self, fmt, (self.out_features, self.in_features))
+        self.quant = fmt
+
+    def qweight(self) -> torch.Tensor | QuantWeight:
+        """What the backend multiplies by: the weight tensor, or the quantized weight."""
+        return self.weight if self.quant is None else quant_weight(self, self.quant, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.linear(x, self.weight, self.bias)
+        return self.backend.linear(x, self.qweight(), self.bias)
 
 
 class PackedLinear(Linear):
@@ -71,7 +97,9 @@ class PackedLinear(Linear):
         """Only the adjacent parts ``first`` .. ``last``, from one GEMM over their rows."""
         rows = slice(self.rows(first).start, self.rows(last).stop)
         names = list(self.parts)
-        y = self.backend.linear(x, self.weight[rows], None if self.bias is None else self.bias[rows])
+        w = self.qweight()
+        w = w[rows] if self.quant is None else w.rows(rows)
+        y = self.backend.linear(x, w, None if self.bias is None else self.bias[rows])
         return list(y.split([self.parts[n] for n in names[names.index(first) : names.index(last) + 1]], dim=-1))
 
 
@@ -208,12 +236,31 @@ class MLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts, packed: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+    """Routed experts, packed: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]; each
+    a parameter, or (``quantize_``) a module of a quantized format's tensors over [E, N, K]."""
+
+    quant: QuantFormat | None = None
 
     def __init__(self, num: int, hidden: int, inter: int) -> None:
         super().__init__()
+        self.num, self.hidden, self.inter = num, hidden, inter
         self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num, hidden, inter))
+
+    def quantize_(self, fmt: QuantFormat) -> None:
+        for name, shape in (("gate_up_proj", (self.num, 2 * self.inter, self.hidden)),
+                            ("down_proj", (self.num, self.hidden, self.inter))):
+            delattr(self, name)
+            setattr(self, name, nn.Module())
+            register_quant(getattr(self, name), fmt, shape)
+        self.quant = fmt
+
+    def weights(self) -> tuple[torch.Tensor | QuantWeight, torch.Tensor | QuantWeight]:
+        """(gate_up, down) as the backend's MoE takes them."""
+        if self.quant is None:
+            return self.gate_up_proj, self.down_proj
+        return (quant_weight(self.gate_up_proj, self.quant, self.hidden),
+                quant_weight(self.down_proj, self.quant, self.inter))
 
 
 class SparseMoE(nn.Module):
@@ -233,10 +280,9 @@ class SparseMoE(nn.Module):
         shared = None
         if self.has_shared:
             m = self.shared_expert
-            shared = SharedExpert(m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, self.shared_expert_gate.weight)
-        return self.backend.moe(
-            x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, self.top_k, self.norm_topk_prob, shared
-        )
+            shared = SharedExpert(m.gate_proj.qweight(), m.up_proj.qweight(), m.down_proj.qweight(),
+                                  self.shared_expert_gate.weight)
+        return self.backend.moe(x, self.gate.weight, *self.experts.weights(), self.top_k, self.norm_topk_prob, shared)
 
 
 class DecoderLayer(nn.Module):

@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 from wmtp.config import ModelConfig
 from wmtp.errors import CheckpointError, ConfigError
-from wmtp.models.layers import GatedDeltaNet, PackedLinear, RMSNorm
+from wmtp.models.layers import Experts, GatedDeltaNet, Linear, PackedLinear, RMSNorm
 from wmtp.models.model import CausalLM
+from wmtp.quant import QuantConfig, QuantFormat
 
 log = logging.getLogger("wmtp")
 
@@ -49,17 +50,154 @@ def lm_prefix(cfg: ModelConfig) -> str:
     return "model.language_model." if cfg.model_type == "qwen3_5_moe" else "model."
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype, backend: str = "torch") -> CausalLM:
-    """Allocate an uninitialised model directly on ``device`` in ``dtype`` (no CPU staging)."""
+def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype, backend: str = "torch",
+                quant: QuantConfig | None = None) -> CausalLM:
+    """Allocate an uninitialised model directly on ``device`` in ``dtype`` (no CPU staging); with
+    ``quant`` its linears and experts hold that format's tensors (those ``quant`` excludes stay in
+    ``dtype``)."""
     with torch.device("meta"):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
             model = CausalLM(cfg, backend)
+            if quant is not None:
+                _quantize_modules(model, quant)
         finally:
             torch.set_default_dtype(prev)
     model.to_empty(device=device)
     return model.eval().requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantized weights (wmtp.quant): which modules, and where each checkpoint tensor of theirs goes
+# ---------------------------------------------------------------------------------------------
+class QuantGroup:
+    """One quantized checkpoint weight (``<module>.weight`` with its scales; for experts, the same
+    projection of every expert, ``<experts>.{e}.<kind>``) and where its per-row tensors live in the
+    model: parameter ``<param>.<suffix>`` at ``index`` (rows of a packed projection, an expert's rows)."""
+
+    def __init__(self, module: str, fmt: QuantFormat, n: int, k: int, param: str, rows: slice,
+                 experts: int | None = None) -> None:
+        self.module, self.fmt, self.n, self.k, self.param, self.rows, self.experts = module, fmt, n, k, param, rows, experts
+
+    def names(self, e: int | None = None) -> list[str]:
+        """Checkpoint tensor names (of expert ``e``)."""
+        base = self.module if e is None else self.module.replace(".experts.*.", f".experts.{e}.")
+        return [f"{base}.{s}" for s in self.fmt.suffixes]
+
+    def index(self, suffix: str, e: int | None = None) -> tuple:
+        lead = () if self.experts is None else (slice(None) if e is None else e,)
+        return (*lead, self.rows)
+
+
+def _quantize_modules(model: CausalLM, quant: QuantConfig) -> None:
+    """Swap the weights of every ``Linear`` and ``Experts`` the config does not exclude for the
+    format's tensors. A packed projection (q/k/v, the GDN in-projections) is quantized whole or
+    left whole: a config that excludes only some of its parts is an error naming them."""
+    cfg = model.config
+    for name, m in model.named_modules():
+        ckpt = _to_checkpoint_name(cfg, name)
+        if isinstance(m, PackedLinear):
+            parent = ckpt.rsplit(".", 1)[0]
+            excluded = {part: quant.excluded(f"{parent}.{part}") for part in m.parts}
+            if any(excluded.values()) and not all(excluded.values()):
+                raise ConfigError(f"{quant.source}: excludes {[p for p, x in excluded.items() if x]} of the projections "
+                                  f"{list(m.parts)} under {parent}, which wmtp runs as one packed GEMM; exclude all or none")
+            if not any(excluded.values()):
+                m.quantize_(quant.format)
+        elif isinstance(m, Linear) and not quant.excluded(ckpt):
+            m.quantize_(quant.format)
+        elif isinstance(m, Experts):
+            kinds = [quant.excluded(f"{ckpt}.0.{kind}") for kind in ("gate_proj", "up_proj", "down_proj")]
+            if any(kinds) and not all(kinds):
+                raise ConfigError(f"{quant.source}: excludes some of {ckpt}'s gate / up / down projections; exclude all or none")
+            if not any(kinds):
+                m.quantize_(quant.format)
+    model.quant = quant
+
+
+def quant_groups(model: CausalLM) -> list[QuantGroup]:
+    """Every quantized checkpoint weight of ``model`` (empty for a model in one float dtype)."""
+    if model.quant is None:
+        return []
+    cfg, fmt, out = model.config, model.quant.format, []
+    for name, m in model.named_modules():
+        ckpt = _to_checkpoint_name(cfg, name)
+        if isinstance(m, PackedLinear) and m.quant is not None:
+            parent = ckpt.rsplit(".", 1)[0]
+            out += [QuantGroup(f"{parent}.{part}", fmt, m.parts[part], m.in_features, name, m.rows(part)) for part in m.parts]
+        elif isinstance(m, Linear) and m.quant is not None:
+            out.append(QuantGroup(ckpt, fmt, m.out_features, m.in_features, name, slice(None)))
+        elif isinstance(m, Experts) and m.quant is not None:
+            i, h = m.inter, m.hidden
+            for kind, param, rows, n, k in (("gate_proj", "gate_up_proj", slice(0, i), i, h),
+                                            ("up_proj", "gate_up_proj", slice(i, 2 * i), i, h),
+                                            ("down_proj", "down_proj", slice(None), h, i)):
+                out.append(QuantGroup(f"{ckpt}.*.{kind}", fmt, n, k, f"{name}.{param}", rows, experts=m.num))
+    return out
+
+
+def _quant_params(model: CausalLM) -> set[str]:
+    """Names of the parameters that hold quantized weights (loaded and written by group)."""
+    return {f"{g.param}.{s}" for g in quant_groups(model) for s in g.fmt.suffixes}
+
+
+@torch.no_grad()
+def _load_quant(model: CausalLM, groups: list[QuantGroup], names: dict[str, Path]) -> tuple[set[str], list[str]]:
+    """Read, check and place every quantized weight; returns the checkpoint names used and those
+    missing."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    used, missing, handles = set(), [], {}
+
+    def tensor(n: str) -> torch.Tensor:
+        f = names[n]
+        if f not in handles:
+            handles[f] = safe_open(f, "pt")
+        return handles[f].get_tensor(n)
+
+    for g in groups:
+        for e in range(g.experts) if g.experts is not None else [None]:
+            want = g.names(e)
+            gone = [n for n in want if n not in names]
+            if gone:
+                missing += gone
+                continue
+            base = want[0].rsplit(".", 1)[0]
+            t = {s: tensor(n) for s, n in zip(g.fmt.suffixes, want)}
+            g.fmt.check(base, t, g.n, g.k)
+            for s, v in g.fmt.to_model(t, g.n).items():
+                dest = params[f"{g.param}.{s}"]
+                dest[g.index(s, e)].copy_(v.to(dest.device))
+            used.update(want)
+    return used, missing
+
+
+def _quant_state(model: CausalLM) -> dict[str, torch.Tensor]:
+    """Every quantized weight under its checkpoint names, in the checkpoint's layout (per expert)."""
+    params = dict(model.named_parameters())
+    out = {}
+    for g in quant_groups(model):
+        for e in range(g.experts) if g.experts is not None else [None]:
+            rows = {s: params[f"{g.param}.{s}"][g.index(s, e)] for s in g.fmt.suffixes}
+            out.update(dict(zip(g.names(e), g.fmt.to_checkpoint(rows).values())))
+    return out
+
+
+@torch.no_grad()
+def _init_quant_(model: CausalLM, gen: torch.Generator, std: float, out_std: float) -> None:
+    """Random quantized weights: each checkpoint weight drawn as ``init_random_`` draws a float one
+    (all experts of a projection at once), then quantized to nearest (its own scales, as a real
+    checkpoint's parts and experts have)."""
+    params = dict(model.named_parameters())
+    for g in quant_groups(model):
+        device = params[f"{g.param}.weight"].device
+        shape = (g.n, g.k) if g.experts is None else (g.experts, g.n, g.k)
+        scale = out_std if g.module.endswith(("o_proj", "down_proj", "out_proj")) else std
+        w = torch.empty(shape, device=device).normal_(0.0, scale, generator=gen)
+        for s, v in g.fmt.to_model(g.fmt.quantize(w), g.n).items():
+            params[f"{g.param}.{s}"][g.index(s)].copy_(v)
 
 
 @torch.no_grad()
@@ -73,10 +211,12 @@ def init_random_(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     out_std = std / math.sqrt(2 * max(cfg.num_layers, 1))
+    quantized = _quant_params(model)
+    _init_quant_(model, gen, std, out_std)
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in ("A_log", "dt_bias"):
-            continue  # set below with their module
+        if leaf in ("A_log", "dt_bias") or name in quantized:
+            continue  # set with their module (below, or quantized above)
         if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight", "experts.down_proj")):
             p.normal_(0.0, out_std, generator=gen)
         elif p.ndim >= 2:
@@ -222,8 +362,12 @@ def load_weights(model: CausalLM, ckpt: Path, names: dict[str, Path]) -> None:
     from safetensors import safe_open
 
     cfg = model.config
-    targets = _targets(model, list(names))
-    whole: set[str] = set()  # parameters loaded as one tensor
+    groups = quant_groups(model)
+    quant_used, quant_missing = _load_quant(model, groups, names)
+    quant_names = {n for g in groups for e in (range(g.experts) if g.experts is not None else [None])
+                   for n in g.names(e)}
+    targets = _targets(model, [n for n in names if n not in quant_names])
+    whole: set[str] = _quant_params(model)  # parameters loaded as one tensor (quantized ones: by group)
     pieces: dict[str, set] = defaultdict(set)  # packed key -> pieces loaded ((expert, kind) or part)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for n in targets:
@@ -242,10 +386,10 @@ def load_weights(model: CausalLM, ckpt: Path, names: dict[str, Path]) -> None:
                     pieces[t.key].add(t.piece)
                 else:
                     whole.add(t.key)
-    missing = _missing_tensors(model, whole, pieces)
+    missing = quant_missing + _missing_tensors(model, whole, pieces)
     if missing:
         raise CheckpointError(f"{ckpt}: {len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[:5]}")
-    unused = sorted(set(names) - set(targets))
+    unused = sorted(set(names) - set(targets) - quant_used)
     if unused:
         log.warning("%s: %d unused tensor(s) in the checkpoint, e.g. %s", ckpt, len(unused), unused[:4])
 
@@ -261,7 +405,8 @@ def load_checkpoint(
     n_mtp = _count_mtp_layers(list(names))
     if cfg.num_nextn_predict_layers == 0 and n_mtp:
         cfg = cfg.replace(num_nextn_predict_layers=n_mtp)  # a head attached next to the checkpoint
-    model = build_model(cfg, device, resolve_dtype(dtype, cfg.torch_dtype), backend)
+    quant = QuantConfig.from_checkpoint(ckpt)
+    model = build_model(cfg, device, resolve_dtype(dtype, cfg.torch_dtype), backend, quant)
     load_weights(model, ckpt, names)
     return model
 
@@ -269,15 +414,17 @@ def load_checkpoint(
 # ---------------------------------------------------------------------------------------------
 # writing checkpoints
 # ---------------------------------------------------------------------------------------------
-def unpacked_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` with every ``PackedLinear`` tensor split back into its parts (row
-    views) under the parts' own names, as checkpoints and transformers modules hold them."""
+def unpacked_state_dict(module: torch.nn.Module, skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` (but the tensors named in ``skip``) with every ``PackedLinear``
+    tensor split back into its parts (row views) under the parts' own names, as checkpoints and
+    transformers modules hold them."""
     parts: dict[str, list[tuple[str, slice]]] = defaultdict(list)
     for part_name, (key, _part, rows) in packed_linear_parts(module).items():
         parts[key].append((part_name, rows))
     out: dict[str, torch.Tensor] = {}
     for key, t in module.state_dict().items():
-        out.update({name: t[rows] for name, rows in parts[key]} if key in parts else {key: t})
+        if key not in skip:
+            out.update({name: t[rows] for name, rows in parts[key]} if key in parts else {key: t})
     return out
 
 
@@ -286,8 +433,10 @@ def checkpoint_state(model: CausalLM, expert_layout: str = "per_expert") -> dict
     if expert_layout not in ("per_expert", "packed"):
         raise ValueError(f"expert_layout={expert_layout!r}; supported: ['packed', 'per_expert']")
     cfg = model.config
-    out: dict[str, torch.Tensor] = {}
-    for ours, p in unpacked_state_dict(model).items():
+    if model.quant is not None and expert_layout != "per_expert":
+        raise ValueError("quantized experts are written per expert (as ModelOpt exports them)")
+    out: dict[str, torch.Tensor] = dict(_quant_state(model))
+    for ours, p in unpacked_state_dict(model, skip=_quant_params(model)).items():
         name = _to_checkpoint_name(cfg, ours)
         if expert_layout == "per_expert" and ours.endswith(("experts.gate_up_proj", "experts.down_proj")):
             base = name.rsplit(".", 1)[0]
@@ -331,6 +480,13 @@ def save_checkpoint(
     if cfg.num_nextn_predict_layers and not separate_mtp:
         key = "mtp_num_hidden_layers" if cfg.model_type.startswith("qwen3_5") else "num_nextn_predict_layers"
         text[key] = cfg.num_nextn_predict_layers
+    raw.pop("quantization_config", None)
+    hf_quant = out / "hf_quant_config.json"
+    hf_quant.unlink(missing_ok=True)
+    if model.quant is not None:  # spelled as the public releases spell it (wmtp.quant)
+        hf, raw["quantization_config"] = model.quant.config_entries()
+        if hf is not None:
+            hf_quant.write_text(json.dumps(hf, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     if separate_mtp:
         mtp = {k: state.pop(k) for k in [k for k in state if k.startswith("mtp.")]}

@@ -18,6 +18,7 @@ from wmtp.models.backend import Backend, get_backend
 from wmtp.models.context import ForwardContext, PagedSlots
 from wmtp.models.layers import DecoderLayer, Linear, embed_norm_cat, finish, make_norm
 from wmtp.models.rope import RotaryEmbedding
+from wmtp.quant import QuantConfig
 
 
 class Backbone(nn.Module):
@@ -92,6 +93,9 @@ def mtp_style(cfg: ModelConfig) -> str:
 class CausalLM(nn.Module):
     """A target with an optional MTP head. ``forward`` returns final-norm hidden states (what the MTP
     head consumes, as vLLM/SGLang feed it); ``compute_logits`` applies the shared lm_head."""
+
+    # the checkpoint's weight format (DESIGN §9) when its linears and experts are quantized
+    quant: QuantConfig | None = None
 
     def __init__(self, cfg: ModelConfig, backend: Backend | str = "torch") -> None:
         super().__init__()

@@ -1,0 +1,192 @@
+"""Quantized checkpoints end to end (DESIGN §9): ``make-checkpoint --quantize`` writes the tensors
+and config files the public NVFP4 / FP8 releases have and reloads to identical tensors; a quantized
+model's logits equal those of the same model with its checkpoint dequantized by an independent
+implementation (numpy, below); greedy output is identical across modes; every malformed checkpoint
+is an error naming the tensor or field."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import wmtp
+from wmtp import LLM, SamplingParams, SpecConfig
+from wmtp.cli import main
+from wmtp.errors import CheckpointError, ConfigError
+
+PRESETS = ["tiny-qwen3.5-moe", "tiny-llama"]  # hybrid GDN-MoE (MoE, GDN, gated attention), dense Llama + DeepSeek head
+
+
+def _make(tmp_path, preset: str, fmt: str):
+    out = tmp_path / f"{preset}-{fmt}"
+    assert main(["make-checkpoint", "--preset", preset, "--quantize", fmt, "--out", str(out)]) == 0
+    return out
+
+
+def _tensors(ckpt) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(f, "pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    bits = (lambda t: t.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else (lambda t: t)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_quantized_checkpoint_as_the_releases_write_it_and_back(tmp_path, preset, fmt):
+    ckpt = _make(tmp_path, preset, fmt)
+    t = _tensors(ckpt)
+    config = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    if fmt == "nvfp4":
+        assert config["quant_method"] == "modelopt" and config["quant_algo"] == "NVFP4"
+        assert json.loads((ckpt / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "NVFP4"
+        q = "model.layers.0.mlp.down_proj" if preset == "tiny-llama" else "model.layers.0.mlp.experts.1.down_proj"
+        assert t[f"{q}.weight"].dtype == torch.uint8 and t[f"{q}.weight_scale"].dtype == torch.float8_e4m3fn
+        assert t[f"{q}.weight_scale_2"].shape == () and t[f"{q}.input_scale"].shape == ()
+    else:
+        assert config["quant_method"] == "fp8" and config["weight_block_size"] == [128, 128]
+        q = "model.layers.0.self_attn.o_proj" if preset == "tiny-llama" else "model.layers.3.self_attn.o_proj"
+        assert t[f"{q}.weight"].dtype == torch.float8_e4m3fn and t[f"{q}.weight_scale_inv"].dtype == torch.float32
+    assert t["lm_head.weight" if "lm_head.weight" in t else "model.embed_tokens.weight"].dtype == torch.float32
+    again = tmp_path / "again"
+    model = wmtp.load_model(str(ckpt))
+    from wmtp.models.loader import save_checkpoint
+
+    save_checkpoint(model, again)
+    t2 = _tensors(again)
+    assert t.keys() == t2.keys() and all(_same(t[k], t2[k]) for k in t)
+
+
+def _e2m1(codes: np.ndarray) -> np.ndarray:
+    mag = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float64)
+    return np.where(codes >= 8, -1.0, 1.0) * mag[codes & 7]
+
+
+def _dequantized(t: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's quantized weights as fp32 tensors under the plain names, in numpy."""
+    out = {k: v for k, v in t.items() if not k.endswith(("weight_scale", "weight_scale_2", "input_scale",
+                                                         "weight_scale_inv"))}
+    for k in list(out):
+        base = k[: -len(".weight")]
+        if fmt == "nvfp4" and f"{base}.weight_scale_2" in t:
+            b = t[k].numpy()
+            codes = np.empty((b.shape[0], 2 * b.shape[1]), dtype=np.int64)
+            codes[:, 0::2], codes[:, 1::2] = b & 0x0F, b >> 4  # input 2j in the low nibble
+            scale = np.repeat(t[f"{base}.weight_scale"].float().numpy().astype(np.float64), 16, axis=1)
+            w = _e2m1(codes) * scale * float(t[f"{base}.weight_scale_2"])
+            out[k] = torch.from_numpy(w).float()
+        elif fmt == "fp8" and f"{base}.weight_scale_inv" in t:
+            w = t[k].float().numpy().astype(np.float64)
+            s = t[f"{base}.weight_scale_inv"].numpy().astype(np.float64)
+            full = np.kron(s, np.ones((128, 128)))[: w.shape[0], : w.shape[1]]
+            out[k] = torch.from_numpy(w * full).float()
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_logits_equal_the_independently_dequantized_model(tmp_path, preset, fmt):
+    ckpt = _make(tmp_path, preset, fmt)
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    for f in ckpt.iterdir():
+        if f.suffix == ".json" and f.name != "hf_quant_config.json":
+            obj = json.loads(f.read_text())
+            obj.pop("quantization_config", None)
+            (dense / f.name).write_text(json.dumps(obj))
+    t = _tensors(ckpt)
+    mtp = {k: v for k, v in t.items() if k.startswith("mtp.")} if (ckpt / "mtp.safetensors").exists() else {}
+    deq = _dequantized(t, fmt)
+    save_file({k: v.contiguous() for k, v in deq.items() if k not in mtp}, dense / "model.safetensors")
+    if mtp:
+        save_file({k: v.contiguous() for k, v in deq.items() if k in mtp}, dense / "mtp.safetensors")
+    q, ref = wmtp.load_model(str(ckpt)), wmtp.load_model(str(dense))
+    assert ref.quant is None and q.quant is not None
+    ids = [5, 17, 3, 99, 250, 7, 7, 31, 64, 2]
+    assert (q.score(ids) - ref.score(ids)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_greedy_identical_across_modes_quantized(fmt):
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((5, 23, 40))]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    outs = {}
+    for mode, ring in (("dense", True), ("native", True), ("windowed", True), ("windowed", False)):
+        spec = SpecConfig(mode=mode, num_draft_tokens=1 if mode == "dense" else 4, window=8, sink=2, ring=ring)
+        llm = LLM(wmtp.load_model("tiny-qwen3.5-moe", quantize=fmt), spec=spec, max_model_len=64, max_num_seqs=3,
+                  page_size=8, prefill_chunk=16)
+        outs[(mode, ring)] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert all(v == outs[("dense", True)] for v in outs.values())
+
+
+def test_malformed_quantized_checkpoints_name_the_problem(tmp_path):
+    ckpt = _make(tmp_path, "tiny-llama", "nvfp4")
+    t = _tensors(ckpt)
+    name = "model.layers.0.self_attn.o_proj"
+
+    def broken(edit) -> str:
+        d = tmp_path / f"broken{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        for f in ckpt.iterdir():
+            if f.suffix == ".json":
+                (d / f.name).write_text(f.read_text())
+        with safe_open(ckpt / "mtp.safetensors", "pt") as h:
+            save_file({k: h.get_tensor(k) for k in h.keys()}, d / "mtp.safetensors")
+        tt = dict(t)
+        edit(tt)
+        save_file({k: v for k, v in tt.items() if not k.startswith("mtp.")}, d / "model.safetensors")
+        return str(d)
+
+    with pytest.raises(CheckpointError, match=rf"missing from the checkpoint, e.g. \['{name}.weight_scale'\]"):
+        wmtp.load_model(broken(lambda tt: tt.pop(f"{name}.weight_scale")))
+    with pytest.raises(CheckpointError, match=rf"{name}.weight_scale: the per-16-input scale must be"):
+        wmtp.load_model(broken(lambda tt: tt.update({f"{name}.weight_scale": tt[f"{name}.weight_scale"][:, :1].contiguous()})))
+    with pytest.raises(CheckpointError, match=rf"{name}.weight_scale_2: the per-tensor scale must be one float32"):
+        wmtp.load_model(broken(lambda tt: tt.update({f"{name}.weight_scale_2": torch.ones(3)})))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    d = broken(lambda tt: None)
+    (tmp_path / d / "hf_quant_config.json").unlink()
+    (tmp_path / d / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(CheckpointError, match="quant_method 'awq' is not supported"):
+        wmtp.load_model(d)
+    (tmp_path / d / "config.json").write_text(json.dumps({**cfg, "quantization_config": {
+        "quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": ["*self_attn.k_proj"]}}))
+    with pytest.raises(ConfigError, match=r"excludes \['k_proj'\] of the projections \['q_proj', 'k_proj', 'v_proj'\]"):
+        wmtp.load_model(d)
+    with pytest.raises(CheckpointError, match="a checkpoint carries its own format"):
+        wmtp.load_model(str(ckpt), quantize="fp8")
+
+
+def test_bytes_floor_counts_the_format_not_the_models_copies():
+    """The floor's weights (DESIGN §6): a quantized weight as its format stores it (packed values,
+    block scales, the per-tensor scale), per expert for routed experts; float weights whole."""
+    from wmtp.bench.floor import _Weights, step_bytes
+    from wmtp.quant import NVFP4
+
+    fmt, model = NVFP4(), wmtp.load_model("tiny-qwen3.5-moe", quantize="nvfp4")
+    cfg, w = model.config, _Weights(model)
+    moe = model.model.layers[0].mlp
+    i, h = cfg.moe_intermediate_size, cfg.hidden_size
+    assert w.expert(moe) == 2 * fmt.weight_bytes(i, h) + fmt.weight_bytes(h, i)
+    qkv = model.model.layers[3].self_attn.qkv_proj
+    assert w.dense(qkv.parameters()) == sum(fmt.weight_bytes(n, h) for n in qkv.parts.values())
+    norm = model.model.layers[3].input_layernorm.weight
+    assert w.dense([norm]) == norm.numel() * norm.element_size()
+    dense = wmtp.load_model("tiny-qwen3.5-moe")
+    spec = SpecConfig(mode="native", num_draft_tokens=4)
+    for m in (model, dense):  # the engine binds the pools whose states the floor counts
+        LLM(m, spec=spec, max_model_len=128, max_num_seqs=1)
+    experts = {id(m): 2.0 for mm in (model, dense) for m in mm.modules() if hasattr(m, "experts")}
+    q_bytes, f_bytes = step_bytes(model, spec, 64, experts, 4), step_bytes(dense, spec, 64, experts, 4)
+    assert q_bytes.target_kv == f_bytes.target_kv and q_bytes.lm_head == f_bytes.lm_head  # unquantized parts
+    assert q_bytes.target_dense < f_bytes.target_dense / 4 and q_bytes.draft_dense < f_bytes.draft_dense / 4
