@@ -190,3 +190,17 @@ def test_bytes_floor_counts_the_format_not_the_models_copies():
     q_bytes, f_bytes = step_bytes(model, spec, 64, experts, 4), step_bytes(dense, spec, 64, experts, 4)
     assert q_bytes.target_kv == f_bytes.target_kv and q_bytes.lm_head == f_bytes.lm_head  # unquantized parts
     assert q_bytes.target_dense < f_bytes.target_dense / 4 and q_bytes.draft_dense < f_bytes.draft_dense / 4
+
+
+def test_quantized_presets_carry_the_release_config(tmp_path):
+    """``*-nvfp4`` / ``*-fp8`` presets: the base shape with the releases' quantization config, quantized
+    random weights made directly (make-checkpoint writes them without --quantize)."""
+    from wmtp.presets import PRESETS as ALL
+
+    for name in ("qwen3.6-35b-a3b-nvfp4", "qwen3.5-122b-a10b-nvfp4", "qwen3.6-35b-a3b-fp8"):
+        base = name.rsplit("-", 1)[0]
+        assert {k: v for k, v in ALL[name].items() if k != "quantization_config"} == ALL[base]
+    assert ALL["qwen3.6-35b-a3b-fp8"]["quantization_config"]["weight_block_size"] == [128, 128]
+    out = tmp_path / "p"
+    assert main(["make-checkpoint", "--preset", "tiny-qwen3.5-moe-nvfp4", "--out", str(out)]) == 0
+    assert wmtp.load_model(str(out)).quant.format.name == "nvfp4"

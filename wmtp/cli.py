@@ -52,8 +52,10 @@ def presets(a: argparse.Namespace) -> int:
     for name in PRESETS:
         c = preset_config(name)
         n_full = len(c.full_attention_layers)
-        print(f"{name:22s} {c.model_type:18s} layers={c.num_layers} (full attention {n_full}) hidden={c.hidden_size} "
-              f"experts={c.num_experts} mtp_layers={c.num_nextn_predict_layers}")
+        quant = PRESETS[name].get("quantization_config")
+        weights = "bf16/fp32" if quant is None else quant.get("quant_algo", quant.get("quant_method")).lower()
+        print(f"{name:24s} {c.model_type:17s} layers={c.num_layers} (full attention {n_full}) hidden={c.hidden_size} "
+              f"experts={c.num_experts} mtp_layers={c.num_nextn_predict_layers} weights={weights}")
     return 0
 
 

@@ -1,7 +1,7 @@
 """Model-shape presets (DESIGN §7) as HF config.json dicts, for random-weight cost runs and tests.
 
 A preset is exactly what ``make-checkpoint`` writes as config.json, so transformers loads the
-result. The large shapes follow the public configs; the 1M-context ones carry the YaRN factor-4
+result (the quantized presets: the base shape with the public releases' ``quantization_config``). The large shapes follow the public configs; the 1M-context ones carry the YaRN factor-4
 rope scaling the paper uses to extend Qwen's 262,144-token native context to 1M.
 """
 
@@ -164,6 +164,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         "dtype": "float32",
     },
 }
+
+
+def _quantized(base: str, fmt: str) -> dict[str, Any]:
+    """``base`` with the quantization config of the public ``-NVFP4`` / ``-FP8`` releases (random
+    weights quantized to nearest, DESIGN §9): a config.json dict as make-checkpoint writes it."""
+    from wmtp.quant import DEFAULT_EXCLUDE, default_config
+
+    return {**copy.deepcopy(PRESETS[base]), "quantization_config": default_config(fmt, DEFAULT_EXCLUDE).config_entries()[1]}
+
+
+PRESETS.update({
+    "qwen3.6-35b-a3b-nvfp4": _quantized("qwen3.6-35b-a3b", "nvfp4"),
+    "qwen3.5-122b-a10b-nvfp4": _quantized("qwen3.5-122b-a10b", "nvfp4"),
+    "qwen3.6-35b-a3b-fp8": _quantized("qwen3.6-35b-a3b", "fp8"),
+    "tiny-qwen3.5-moe-nvfp4": _quantized("tiny-qwen3.5-moe", "nvfp4"),
+})
 
 
 def preset_config(name: str) -> ModelConfig:
