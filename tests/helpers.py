@@ -92,10 +92,12 @@ def chi2_pvalue(counts: np.ndarray, joint: np.ndarray) -> float:
     return float(chisquare(np.asarray(f_obs), f_exp_arr).pvalue)
 
 
-def tiny_model(preset: str, device: str = "cpu", backend: str = "torch", seed: int = 0, **overrides):
+def tiny_model(preset: str, device: str = "cpu", backend: str = "torch", seed: int = 0, quantize: str | None = None,
+               **overrides):
     """A tiny preset's random-weight model with the fewest layers that keep every mechanism: one
     attention layer, plus one GDN layer (dense MLP) on hybrids, whose attention layer then carries
-    the MoE; ``overrides`` change other config fields. Interpreted runs cost per layer."""
+    the MoE; ``overrides`` change other config fields; ``quantize`` as ``load_model``'s. Interpreted
+    runs cost per layer."""
     from wmtp.config import ModelConfig
     from wmtp.models.loader import build_model, init_random_
     from wmtp.presets import PRESETS
@@ -108,5 +110,8 @@ def tiny_model(preset: str, device: str = "cpu", backend: str = "torch", seed: i
             overrides.setdefault("full_attention_interval", 2)
             overrides.setdefault("mlp_only_layers", [0] if "mlp_only_layers" in raw else [])
     cfg = ModelConfig.from_dict({**raw, **overrides})
-    model = build_model(cfg, device, getattr(torch, raw.get("dtype", "float32")), backend)
+    from wmtp.quant import DEFAULT_EXCLUDE, default_config
+
+    quant = None if quantize is None else default_config(quantize, DEFAULT_EXCLUDE)
+    model = build_model(cfg, device, getattr(torch, raw.get("dtype", "float32")), backend, quant)
     return init_random_(model, seed)

@@ -204,3 +204,24 @@ def test_quantized_presets_carry_the_release_config(tmp_path):
     out = tmp_path / "p"
     assert main(["make-checkpoint", "--preset", "tiny-qwen3.5-moe-nvfp4", "--out", str(out)]) == 0
     assert wmtp.load_model(str(out)).quant.format.name == "nvfp4"
+
+
+@pytest.mark.whole_tiles
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_triton_backend_emits_the_twins_tokens(fmt, monkeypatch):
+    """The Triton backend's quantized linears (``quant_linear``) in the whole engine (prefill,
+    draft, verify; the quantized experts take the reference): the torch backend's greedy tokens."""
+    import wmtp.kernels.quant_linear as ql
+    from tests.helpers import tiny_model
+
+    calls, kernel = [], ql.quant_linear
+    monkeypatch.setattr(ql, "quant_linear", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+
+    spec = SpecConfig(mode="windowed", num_draft_tokens=3, window=8, sink=2)
+    prompts = [[5, 9, 3] * 5, [7] * 12]
+    outs = []
+    for backend in ("torch", "triton"):
+        llm = LLM(tiny_model("tiny-qwen3.5-moe", backend=backend, quantize=fmt), spec=spec, max_model_len=48,
+                  max_num_seqs=2, prefill_chunk=16)
+        outs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))])
+    assert outs[0] == outs[1] and calls, "the quantized decode GEMV did not run"

@@ -381,8 +381,12 @@ class TritonBackend(TorchBackend):
     def linear(self, x, weight, bias=None):
         from wmtp.kernels.linear import decode_linear
 
-        if isinstance(weight, QuantWeight):  # no quantized GEMV kernel yet: the reference
-            return super().linear(x, weight, bias)
+        if isinstance(weight, QuantWeight):
+            from wmtp.kernels.quant_linear import MAX_ROWS, quant_linear
+
+            if x.numel() // x.shape[-1] <= MAX_ROWS and x.dtype != torch.float64:
+                return quant_linear(x, weight, bias)
+            return super().linear(x, weight, bias)  # prefill-sized: dequantized, then one GEMM
         return decode_linear(x, weight, bias)
 
     def argmax(self, logits, out=None):

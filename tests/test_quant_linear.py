@@ -1,0 +1,59 @@
+"""The weight-only quantized decode GEMV (``wmtp.kernels.quant_linear``) against its twin
+``F.linear(x, w.dequantize(x.dtype))``, for NVFP4 and block FP8: rows 1..16, N and K not multiples
+of the tiles, packed projections whose parts keep their own scales, bias, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from wmtp.kernels.quant_linear import MAX_ROWS, quant_linear  # noqa: E402
+from wmtp.quant import FP8Block, NVFP4, QuantWeight  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BF16 = pytest.param(torch.bfloat16, id="bf16")
+
+
+def _weight(fmt, parts: list[int], k: int, seed: int) -> QuantWeight:
+    """A packed projection: each part quantized on its own (its own scales), rows concatenated."""
+    g = torch.Generator().manual_seed(seed)
+    per_part = [fmt.to_model(fmt.quantize(torch.randn(n, k, generator=g) * k**-0.5), n) for n in parts]
+    t = {s: torch.cat([p[s] for p in per_part]).to(DEVICE) for s in fmt.suffixes}
+    return QuantWeight(fmt, t, k)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """fp32: 1e-5 of the largest value (sums in another order); bf16: an output rounding (2^-8)
+    plus the CPU interpreter's truncating casts."""
+    rel = 1e-5 if want.dtype == torch.float32 else 1e-2
+    return got.dtype == want.dtype and got.shape == want.shape and \
+        (got.float() - want.float()).abs().max().item() <= rel * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("rows", [1, 7, MAX_ROWS])
+@pytest.mark.parametrize("fmt", [NVFP4(), FP8Block()], ids=["nvfp4", "fp8"])
+def test_quant_linear_matches_the_twin(fmt, rows, dtype):
+    k = 160 if isinstance(fmt, NVFP4) else 200  # several K steps, the last partial (NVFP4: K a multiple of 16)
+    w = _weight(fmt, [40, 23, 7], k, seed=rows)  # N = 70, not a multiple of the tile; three parts' own scales
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    b = torch.randn(70, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    want = F.linear(x, w.dequantize(dtype))
+    assert _close(quant_linear(x, w, block_n=16, block_k=32), want)
+    assert _close(quant_linear(x, w, b, block_n=32, block_k=64), F.linear(x, w.dequantize(dtype), b))
+    assert _close(quant_linear(x, w.rows(slice(40, 63))), F.linear(x, w.rows(slice(40, 63)).dequantize(dtype)))
+
+
+def test_quant_linear_bad_input_names_the_problem():
+    w = _weight(NVFP4(), [8], 32, seed=0)
+    with pytest.raises(ValueError, match=r"quant_linear: weight \(8, 32\) must be \[N, 48\]"):
+        quant_linear(torch.zeros(2, 48, device=DEVICE), w)
+    with pytest.raises(ValueError, match="x has 17 rows"):
+        quant_linear(torch.zeros(17, 32, device=DEVICE), w)
+    with pytest.raises(ValueError, match="block_k 24 must be a power of 2"):
+        quant_linear(torch.zeros(2, 32, device=DEVICE), w, block_k=24)
+    with pytest.raises(ValueError, match="FP8 block_k 48 must divide"):
+        quant_linear(torch.zeros(2, 32, device=DEVICE), _weight(FP8Block(), [8], 32, seed=0), block_k=48)
