@@ -122,25 +122,30 @@ def dot_flags(dtype: torch.dtype) -> dict[str, object]:
             "PREC": "ieee" if dtype == torch.float32 else "tf32"}
 
 
+def skinny_rows(name: str, x: torch.Tensor, n: int, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks a skinny kernel's input passes (at most ``MAX_ROWS`` rows, a bias of ``n``): x as
+    [T, K] with unit-stride rows, and the empty [T, n] output."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] > MAX_ROWS:
+        raise ValueError(f"{name}: x has {x2.shape[0]} rows; at most {MAX_ROWS}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"{name}: bias {tuple(bias.shape)} must be [{n}]")
+    out = torch.empty(x2.shape[0], n, device=x.device, dtype=x.dtype)
+    return (x2 if x2.stride(1) == 1 else x2.contiguous()), out
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   tiles: LinearTiles | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [..., K] of at most ``MAX_ROWS`` rows (flattened);
     weight [N, K] with unit stride on K. ``tiles`` overrides ``linear_tiles``' choice (which
     falls back to a single 16 x 128 program per K split where it would choose cuBLAS)."""
     K = x.shape[-1]
-    x2 = x.reshape(-1, K)
-    T = x2.shape[0]
     if weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1 or weight.dtype != x.dtype:
         raise ValueError(f"skinny_linear: weight {tuple(weight.shape)} {weight.dtype} must be [N, {K}] {x.dtype} "
                          f"with unit stride on K (x {tuple(x.shape)})")
-    if T > MAX_ROWS:
-        raise ValueError(f"skinny_linear: x has {T} rows; at most {MAX_ROWS}")
-    N = weight.shape[0]
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"skinny_linear: bias {tuple(bias.shape)} must be [{N}]")
-    out = torch.empty(T, N, device=x.device, dtype=x.dtype)
+    x2, out = skinny_rows("skinny_linear", x, weight.shape[0], bias)
+    T, N = out.shape
     if T and N:
-        x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
         cfg = tiles or linear_tiles(T, N, K) or LinearTiles(16, 128, 1, 4)
         if tiles is None:  # (one K split when a whole-K step covers K)
             cfg = cfg._replace(block_n=launch_tile(cfg.block_n, N), block_k=launch_tile(cfg.block_k, K))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from wmtp.kernels.common import launch_tile, pdl
-from wmtp.kernels.linear import dot_flags
+from wmtp.kernels.linear import MAX_ROWS, dot_flags, skinny_rows
 from wmtp.quant import FP8Block, NVFP4, QuantWeight
 
 try:
@@ -31,8 +31,6 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
-
-MAX_ROWS = 16  # token rows one launch takes (a dot's minimum M)
 
 if triton is not None:
     from wmtp.kernels.common import wait_prior
@@ -98,19 +96,12 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     if triton is None:
         raise RuntimeError("quant_linear needs triton (pip install 'wmtp[gpu]' or triton==3.6.0)")
     K = x.shape[-1]
-    x2 = x.reshape(-1, K)
-    T = x2.shape[0]
     if len(w.shape) != 2 or w.shape[1] != K:
         raise ValueError(f"quant_linear: weight {tuple(w.shape)} must be [N, {K}] (x {tuple(x.shape)})")
-    if T > MAX_ROWS:
-        raise ValueError(f"quant_linear: x has {T} rows; at most {MAX_ROWS}")
-    N = w.shape[0]
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"quant_linear: bias {tuple(bias.shape)} must be [{N}]")
-    out = torch.empty(T, N, device=x.device, dtype=x.dtype)
+    x2, out = skinny_rows("quant_linear", x, w.shape[0], bias)
+    T, N = out.shape
     if not (T and N):
         return out.view(*x.shape[:-1], N)
-    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
     t = w.tensors
     if isinstance(w.format, NVFP4):
         fmt, weight, scale, rows = 0, t["weight"], t["weight_scale"], t["weight_scale_2"]
