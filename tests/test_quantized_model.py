@@ -209,19 +209,27 @@ def test_quantized_presets_carry_the_release_config(tmp_path):
 @pytest.mark.whole_tiles
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 def test_triton_backend_emits_the_twins_tokens(fmt, monkeypatch):
-    """The Triton backend's quantized linears (``quant_linear``) in the whole engine (prefill,
-    draft, verify; the quantized experts take the reference): the torch backend's greedy tokens."""
+    """The Triton backend's quantized linears and experts (``quant_linear``, ``quant_moe_gemv``) in
+    the whole engine, the static decode iteration the CUDA graphs replay included (prefill, draft,
+    verify, extend): the torch backend's greedy tokens."""
     import wmtp.kernels.quant_linear as ql
+    import wmtp.kernels.quant_moe as qm
     from tests.helpers import tiny_model
 
-    calls, kernel = [], ql.quant_linear
-    monkeypatch.setattr(ql, "quant_linear", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    calls = {"linear": 0, "moe": 0}
 
+    def spy(name, fn):
+        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
+
+    monkeypatch.setattr(ql, "quant_linear", spy("linear", ql.quant_linear))
+    monkeypatch.setattr(qm, "quant_moe_gemv", spy("moe", qm.quant_moe_gemv))
     spec = SpecConfig(mode="windowed", num_draft_tokens=3, window=8, sink=2)
     prompts = [[5, 9, 3] * 5, [7] * 12]
     outs = []
-    for backend in ("torch", "triton"):
+    for backend, graphs in (("torch", "off"), ("triton", "eager")):
         llm = LLM(tiny_model("tiny-qwen3.5-moe", backend=backend, quantize=fmt), spec=spec, max_model_len=48,
-                  max_num_seqs=2, prefill_chunk=16)
+                  max_num_seqs=2, prefill_chunk=16, decode_graphs=graphs)
         outs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))])
-    assert outs[0] == outs[1] and calls, "the quantized decode GEMV did not run"
+        if backend == "triton":
+            assert llm.engine.graphs, "the static decode iteration did not run"
+    assert outs[0] == outs[1] and calls["linear"] and calls["moe"], calls

@@ -426,19 +426,25 @@ class TritonBackend(TorchBackend):
 
     def capturable_moe(self, num_tokens: int, cfg, dtype: torch.dtype, quantized: bool = False) -> bool:
         """Whether ``moe`` over ``num_tokens`` avoids host syncs (CUDA-graph capture): the pair-wise
-        GEMV and the grouped GEMM do; the reference's ``torch.unique`` (also what quantized experts
-        take for now) does not."""
+        GEMVs (float or quantized) and the grouped GEMM do; the reference's ``torch.unique`` (what
+        quantized experts take above the GEMV sizes) does not."""
         from wmtp.kernels.moe import MAX_GEMV_PAIRS
 
         if quantized and cfg.num_experts > 0:
-            return False
+            return num_tokens * cfg.num_experts_per_tok <= MAX_GEMV_PAIRS
         return cfg.num_experts <= 0 or num_tokens * cfg.num_experts_per_tok <= MAX_GEMV_PAIRS or dtype == torch.bfloat16
 
     def moe(self, x, router_weight, gate_up, down, top_k, norm_topk_prob, shared=None):
         from wmtp.kernels.moe import MAX_GEMV_PAIRS, grouped_mm_supported, moe_gemv, routed_experts_grouped
 
-        if x.dtype == torch.float64 or isinstance(gate_up, QuantWeight):  # (no quantized MoE kernel yet)
+        if x.dtype == torch.float64:
             return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
+        if isinstance(gate_up, QuantWeight):
+            from wmtp.kernels.quant_moe import quant_moe_gemv
+
+            if x.shape[0] * top_k <= MAX_GEMV_PAIRS:
+                return quant_moe_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
+            return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)  # prefill: the reference
         if x.shape[0] * top_k <= MAX_GEMV_PAIRS:
             return moe_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
         if grouped_mm_supported(x):

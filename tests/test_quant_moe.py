@@ -1,0 +1,95 @@
+"""The quantized routed-expert GEMVs (``wmtp.kernels.quant_moe``) against their twin, the reference
+MoE (``TorchBackend.moe``) over the dequantized experts: NVFP4 and block FP8, 1 and 7 tokens,
+top-k not a power of two, with a shared expert (quantized or float) and without."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from wmtp.kernels.common import SharedExpert  # noqa: E402
+from wmtp.kernels.quant_moe import quant_down_combine, quant_moe_gemv, quant_swiglu  # noqa: E402
+from wmtp.models.backend import TorchBackend  # noqa: E402
+from wmtp.quant import FP8Block, NVFP4, QuantWeight  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BF16 = pytest.param(torch.bfloat16, id="bf16")
+FORMATS = [pytest.param(NVFP4(), id="nvfp4"), pytest.param(FP8Block(), id="fp8")]
+
+
+def _experts(fmt, shapes: list[tuple[int, int]], e: int, seed: int) -> QuantWeight:
+    """[E, sum of N, K] experts whose row blocks (gate, up) are quantized apart, as checkpoints hold them."""
+    g = torch.Generator().manual_seed(seed)
+    k = shapes[0][1]
+    parts = [fmt.to_model(fmt.quantize(torch.randn(e, n, k, generator=g) * k**-0.5), n) for n, _ in shapes]
+    dim = {s: (-1 if s in fmt.row_vectors else -2) for s in fmt.suffixes}
+    return QuantWeight(fmt, {s: torch.cat([p[s] for p in parts], dim=dim[s]).to(DEVICE) for s in fmt.suffixes}, k)
+
+
+def _linear(fmt, n: int, k: int, seed: int) -> QuantWeight:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * k**-0.5
+    return QuantWeight(fmt, {s: v.to(DEVICE) for s, v in fmt.to_model(fmt.quantize(w), n).items()}, k)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """fp32: 1e-5 of the largest value (sums in another order); bf16: a few output roundings of the
+    chain (the reference rounds the dequantized weight to bf16 too) and the interpreter's truncation."""
+    rel = 1e-5 if want.dtype == torch.float32 else (2e-2 if DEVICE == "cuda" else 5e-2)
+    return got.dtype == want.dtype and (got.float() - want.float()).abs().max().item() <= rel * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_swiglu_and_down_combine_match_the_reference(fmt, dtype):
+    E, H, inter, top_k, T = 6, 160, 48, 3, 5  # N not a multiple of the row tile; K over several steps
+    gate_up = _experts(fmt, [(inter, H), (inter, H)], E, seed=1)
+    down = _experts(fmt, [(H, inter)], E, seed=2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    idx = torch.randint(0, E, (T, top_k), generator=g).to(DEVICE)
+    h = quant_swiglu(x, gate_up, idx.view(-1), top_k, block_n=16, block_k=64)
+    F = torch.nn.functional
+    gu = torch.stack([F.linear(x[p // top_k], gate_up[int(e)].dequantize(dtype)) for p, e in enumerate(idx.view(-1))])
+    want_h = F.silu(gu[:, :inter]) * gu[:, inter:]
+    assert _close(h, want_h)
+    top_w = torch.rand(T, top_k, generator=g).to(DEVICE)
+    out = quant_down_combine(want_h, down, idx, top_w, top_k, block_n=32, block_k=32)
+    y = torch.stack([F.linear(want_h[p], down[int(e)].dequantize(dtype)) for p, e in enumerate(idx.view(-1))])
+    want = (y.view(T, top_k, H).float() * top_w[..., None]).sum(1).to(dtype)
+    assert _close(out, want)
+
+
+@pytest.mark.parametrize("shared", ["quantized", "float", None])
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_moe_gemv_matches_the_reference_moe(fmt, tokens, shared):
+    """The whole decode path (router GEMM, routing, routed experts, shared expert) against
+    ``TorchBackend.moe`` over the same quantized weights."""
+    E, H, inter, top_k = 8, 64, 32, 3
+    gate_up = _experts(fmt, [(inter, H), (inter, H)], E, seed=4)
+    down = _experts(fmt, [(H, inter)], E, seed=5)
+    g = torch.Generator().manual_seed(tokens)
+    router = (torch.randn(E, H, generator=g) * 0.5).to(DEVICE)
+    sh = None
+    if shared is not None:
+        gate = (torch.randn(1, H, generator=g) * H**-0.5).to(DEVICE)
+        if shared == "quantized":
+            sh = SharedExpert(_linear(fmt, 32, H, 6), _linear(fmt, 32, H, 7), _linear(fmt, H, 32, 8), gate)
+        else:
+            sh = SharedExpert(*((torch.randn(n, k, generator=g) * k**-0.5).to(DEVICE)
+                                for n, k in ((24, H), (24, H), (H, 24))), gate)
+    x = torch.randn(tokens, H, generator=g).to(DEVICE)
+    want = TorchBackend().moe(x, router, gate_up, down, top_k, True, sh)
+    assert _close(quant_moe_gemv(x, router, gate_up, down, top_k, True, sh), want)
+
+
+def test_bad_experts_name_the_problem():
+    w = _experts(NVFP4(), [(16, 32), (16, 32)], 2, seed=0)
+    with pytest.raises(ValueError, match=r"quant_swiglu: experts \(2, 32, 32\) must be \[E, N, 48\]"):
+        quant_swiglu(torch.zeros(1, 48, device=DEVICE), w, torch.zeros(1, dtype=torch.long, device=DEVICE), 1)
+    with pytest.raises(ValueError, match=r"quant_swiglu: idx \(2,\) must be \[1\]"):
+        quant_swiglu(torch.zeros(1, 32, device=DEVICE), w, torch.zeros(2, dtype=torch.long, device=DEVICE), 1)
+    with pytest.raises(ValueError, match="quant_down_combine: h"):
+        quant_down_combine(torch.zeros(3, 32, device=DEVICE), w, torch.zeros(3, device=DEVICE), torch.zeros(3), 2)
