@@ -444,7 +444,10 @@ class TritonBackend(TorchBackend):
 
             if x.shape[0] * top_k <= MAX_GEMV_PAIRS:
                 return quant_moe_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
-            return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)  # prefill: the reference
+            if grouped_mm_supported(x):  # prefill: the experts dequantized once, then the grouped GEMMs
+                return routed_experts_grouped(x, router_weight, gate_up.dequantize(x.dtype), down.dequantize(x.dtype),
+                                              top_k, norm_topk_prob, shared)
+            return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
         if x.shape[0] * top_k <= MAX_GEMV_PAIRS:
             return moe_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
         if grouped_mm_supported(x):
