@@ -437,7 +437,8 @@ class Engine:
         if pt is not None:
             pt.start()
         self._forget_rows(keep=graphs)
-        graphs.load(self._batch_rows(reqs), self.forced_accept)
+        if graphs.loaded != graphs.key([r.id for r in reqs], self.forced_accept):  # rows built only on a change
+            graphs.load(self._batch_rows(reqs), self.forced_accept)
         if pt is None:
             graphs.run("iteration" if self.spec.gamma else "verify")
         else:  # the forwards replayed apart, each phase timed

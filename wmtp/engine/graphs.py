@@ -412,12 +412,17 @@ class DecodeGraphs:
         return graph.replay
 
     # ---- host side of one iteration ------------------------------------------------------------
+    @staticmethod
+    def key(request_ids: list[int], forced: int | None) -> tuple:
+        """What ``loaded`` holds after ``load`` of those rows."""
+        return request_ids, forced
+
     def load(self, rows: list[BatchRow], forced: int | None) -> None:
         """Upload the batch's rows when they changed (``forced``: accept exactly this many drafts,
         benchmark-only): block tables, L, x_{L-1}, state slots, reserved pages, and the draft state
         (d_1 and the MTP output) unless the previous iteration's extend left it in ``next_d1`` /
         ``next_hidden``. Call only with no iteration of this set in flight."""
-        key = ([r.request_id for r in rows], forced)
+        key = self.key([r.request_id for r in rows], forced)
         if key == self.loaded:
             return
         a = self.stage

@@ -80,12 +80,17 @@ class QuantGroup:
                  experts: int | None = None) -> None:
         self.module, self.fmt, self.n, self.k, self.param, self.rows, self.experts = module, fmt, n, k, param, rows, experts
 
+    def each(self) -> list[int | None]:
+        """What ``names`` and ``index`` take: every expert, or None for a plain weight."""
+        return list(range(self.experts)) if self.experts is not None else [None]
+
     def names(self, e: int | None = None) -> list[str]:
         """Checkpoint tensor names (of expert ``e``)."""
         base = self.module if e is None else self.module.replace(".experts.*.", f".experts.{e}.")
         return [f"{base}.{s}" for s in self.fmt.suffixes]
 
-    def index(self, suffix: str, e: int | None = None) -> tuple:
+    def index(self, e: int | None = None) -> tuple:
+        """Where expert ``e``'s (all experts' when None) rows sit in the model's tensors."""
         lead = () if self.experts is None else (slice(None) if e is None else e,)
         return (*lead, self.rows)
 
@@ -158,7 +163,7 @@ def _load_quant(model: CausalLM, groups: list[QuantGroup], names: dict[str, Path
         return handles[f].get_tensor(n)
 
     for g in groups:
-        for e in range(g.experts) if g.experts is not None else [None]:
+        for e in g.each():
             want = g.names(e)
             gone = [n for n in want if n not in names]
             if gone:
@@ -169,7 +174,7 @@ def _load_quant(model: CausalLM, groups: list[QuantGroup], names: dict[str, Path
             g.fmt.check(base, t, g.n, g.k)
             for s, v in g.fmt.to_model(t, g.n).items():
                 dest = params[f"{g.param}.{s}"]
-                dest[g.index(s, e)].copy_(v.to(dest.device))
+                dest[g.index(e)].copy_(v.to(dest.device))
             used.update(want)
     return used, missing
 
@@ -179,8 +184,8 @@ def _quant_state(model: CausalLM) -> dict[str, torch.Tensor]:
     params = dict(model.named_parameters())
     out = {}
     for g in quant_groups(model):
-        for e in range(g.experts) if g.experts is not None else [None]:
-            rows = {s: params[f"{g.param}.{s}"][g.index(s, e)] for s in g.fmt.suffixes}
+        for e in g.each():
+            rows = {s: params[f"{g.param}.{s}"][g.index(e)] for s in g.fmt.suffixes}
             out.update(dict(zip(g.names(e), g.fmt.to_checkpoint(rows).values())))
     return out
 
@@ -197,7 +202,7 @@ def _init_quant_(model: CausalLM, gen: torch.Generator, std: float, out_std: flo
         scale = out_std if g.module.endswith(("o_proj", "down_proj", "out_proj")) else std
         w = torch.empty(shape, device=device).normal_(0.0, scale, generator=gen)
         for s, v in g.fmt.to_model(g.fmt.quantize(w), g.n).items():
-            params[f"{g.param}.{s}"][g.index(s)].copy_(v)
+            params[f"{g.param}.{s}"][g.index()].copy_(v)
 
 
 @torch.no_grad()
@@ -361,11 +366,9 @@ def load_weights(model: CausalLM, ckpt: Path, names: dict[str, Path]) -> None:
     """Copy every checkpoint tensor into its parameter; fail on a missing tensor or wrong shape."""
     from safetensors import safe_open
 
-    cfg = model.config
     groups = quant_groups(model)
     quant_used, quant_missing = _load_quant(model, groups, names)
-    quant_names = {n for g in groups for e in (range(g.experts) if g.experts is not None else [None])
-                   for n in g.names(e)}
+    quant_names = {n for g in groups for e in g.each() for n in g.names(e)}
     targets = _targets(model, [n for n in names if n not in quant_names])
     whole: set[str] = _quant_params(model)  # parameters loaded as one tensor (quantized ones: by group)
     pieces: dict[str, set] = defaultdict(set)  # packed key -> pieces loaded ((expert, kind) or part)
