@@ -14,6 +14,7 @@ import random
 
 import torch
 
+import wmtp
 from wmtp import LLM, SamplingParams, SpecConfig
 
 
@@ -28,22 +29,24 @@ def main() -> None:
     prompts = [[rng.randrange(1, 500) for _ in range(rng.choice([5, 40, 120, 300]))] for _ in range(a.prompts)]
     params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
     rows = []
-    for preset in ("tiny-qwen3.5-moe", "tiny-qwen3-next", "tiny-llama"):
+    cases = [(p, None) for p in ("tiny-qwen3.5-moe", "tiny-qwen3-next", "tiny-llama")]
+    cases += [("tiny-qwen3.5-moe", q) for q in ("nvfp4", "fp8")]  # quantized weights, the same engine
+    for preset, quant in cases:
         for dtype in ("float32", "bfloat16"):
+            model = wmtp.load_model(preset, device="cuda", dtype=dtype, backend="triton", quantize=quant)
             outs, compiled = {}, {}
             for mode, ring in (("dense", True), ("native", True), ("windowed", True), ("windowed", False)):
                 spec = SpecConfig(mode=mode, num_draft_tokens=1 if mode == "dense" else 5, window=32, sink=4, ring=ring)
-                llm = LLM(preset, spec=spec, device="cuda", dtype=dtype, max_model_len=512, max_num_seqs=8,
-                          page_size=a.page_size, prefill_chunk=64, backend="triton")
+                llm = LLM(model, spec=spec, max_model_len=512, max_num_seqs=8, page_size=a.page_size, prefill_chunk=64)
                 name = f"{mode}{'' if ring else '-noring'}"
                 outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
                 compiled[name] = llm.engine.compiled_steps
             ref = outs["dense"]
             for name, got in outs.items():
                 diff = sum(x != y for g, r in zip(got, ref) for x, y in zip(g, r))
-                rows.append({"preset": preset, "dtype": dtype, "mode": name, "differing_tokens": diff,
+                rows.append({"preset": preset, "quantize": quant, "dtype": dtype, "mode": name, "differing_tokens": diff,
                              "tokens": sum(map(len, ref)), "compiled_steps": compiled[name]})
-                print(f"{preset:18s} {dtype:9s} {name:17s} differing tokens vs dense: {diff} / {sum(map(len, ref))}")
+                print(f"{preset:18s} {quant or '':5s} {dtype:9s} {name:17s} differing tokens vs dense: {diff} / {sum(map(len, ref))}")
     from wmtp.bench.step import revision
 
     meta = {"hardware": torch.cuda.get_device_name(), "backend": "triton", "window": 32, "sink": 4, "d": 5,

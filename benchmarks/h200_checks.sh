@@ -2,11 +2,13 @@
 # The GPU checks and the results behind the README and the report, on one H200: the GPU tests
 # (kernels against their twins, the captured decode graphs against the eager iteration), greedy
 # token identity across modes, T_iter at S = 1.04M per mode (+ kernels, admission), TTFT of a
-# 131,072-token prefill, the sweep suite at 1.04M and the batch sweep at 131K.
-# Together longer than one 10-minute device call: pick with PARTS (comma-separated names below);
-# the suite resumes from $WORK (kept on the machine between calls) and stops by $DEADLINE seconds.
+# 131,072-token prefill, admission at 131K, the sweep suite at 1.04M and the batch sweep at 131K.
+# Together longer than one 10-minute device call: pick with PARTS (comma-separated names below)
+# and the models of step / ttft / seats with PRESETS (comma-separated preset names); the suite
+# resumes from $WORK (kept on the machine between calls); every part stops by $DEADLINE seconds.
 #   run from the repo root with WMTP_COMMIT set to the commit the tree holds; everything lands in
-#   $OUT/results.tgz (+ log.txt). Pure-Python wheels in .whl/ (fla-core) are installed first.
+#   $OUT/results.tgz (+ log.txt), refreshed after each part. Pure-Python wheels in .whl/ (fla-core)
+#   are installed first.
 set -o pipefail
 OUT=${OUT:-h200_out}
 WORK=${WORK:-/tmp/wmtp_results}
@@ -17,22 +19,31 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 parts=${PARTS:-tests,identity,step,ttft,suite,batch}
+IFS=, read -r -a presets <<< "${PRESETS:-qwen3.6-35b-a3b}"
 start=$SECONDS
-run() { echo "== $1 ($((SECONDS - start)) s)"; shift; "$@" 2>&1 | grep -v Warning | tee -a "$WORK/log.txt"; }
 left() { echo $(( ${DEADLINE:-540} - (SECONDS - start) )); }
-[[ $parts == *tests* ]] && run tests timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_decode_graphs.py \
-  tests/test_paged_attention.py tests/test_gdn_kernel.py tests/test_moe_kernel.py tests/test_norm_kernel.py \
-  tests/test_linear_kernel.py tests/test_argmax_kernel.py tests/test_stream_kernel.py
+run() {
+  echo "== $1 ($((SECONDS - start)) s)" | tee -a "$WORK/log.txt"; shift
+  timeout "$(left)" "$@" 2>&1 | grep -v Warning | tee -a "$WORK/log.txt"
+  tar -czf "$OUT/results.tgz" -C "$WORK" . && cp "$WORK/log.txt" "$OUT/log.txt"
+}
+kernel_tests="tests/test_decode_graphs.py tests/test_paged_attention.py tests/test_gdn_kernel.py tests/test_moe_kernel.py
+  tests/test_norm_kernel.py tests/test_linear_kernel.py tests/test_argmax_kernel.py tests/test_stream_kernel.py"
+quant_tests="tests/test_quant_linear.py tests/test_quant_moe.py tests/test_quantized_model.py tests/test_paged_attention.py"
+[[ $parts == *qtests* ]] && run qtests python3 -m pytest -q -p no:cacheprovider $quant_tests
+[[ $parts == *,tests* || $parts == tests* ]] && run tests python3 -m pytest -q -x -p no:cacheprovider $kernel_tests
 [[ $parts == *identity* ]] && run identity python3 benchmarks/gpu_identity.py --prompts 8 --max-tokens 32 \
   --out "$WORK/gpu_identity.json"
-[[ $parts == *step* ]] && run step python3 -m wmtp bench step --context 1040000 -d 7 --iters 60 --kernels --admission \
-  --out "$WORK/step_1m_qwen3.6-35b-a3b.json"
-[[ $parts == *ttft* ]] && run ttft python3 -m wmtp bench ttft --modes native,windowed --tokens 131072 --chunk 8192 \
-  --out "$WORK/ttft_131k_qwen3.6-35b-a3b.json"
+for p in "${presets[@]}"; do
+  [[ $parts == *step* ]] && run "step $p" python3 -m wmtp bench step --preset "$p" --context 1040000 -d 7 --iters 60 \
+    --kernels --admission --out "$WORK/step_1m_$p.json"
+  [[ $parts == *seats* ]] && run "seats $p" python3 -m wmtp bench step --preset "$p" --context 131072 -d 7 --iters 20 \
+    --admission --max-admit 64 --out "$WORK/step_131k_$p.json"
+  [[ $parts == *ttft* ]] && run "ttft $p" python3 -m wmtp bench ttft --preset "$p" --modes native,windowed --tokens 131072 \
+    --chunk 8192 --out "$WORK/ttft_131k_$p.json"
+done
 [[ $parts == *suite* ]] && run suite python3 -m wmtp bench suite --out "$WORK/sweeps_1m" --runs 2 --iters 30 --warmup 3 \
   --k-iters 12 --batch-ladder 1,2 --deadline "$(left)" --resume
 [[ $parts == *batch* ]] && run batch python3 -m wmtp bench suite --out "$WORK/sweeps_131k" --sweeps batch \
   --context 131072 --runs 2 --batch-ladder 1,4,16 --iters 30 --warmup 3 --deadline "$(left)" --resume
-tar -czf "$OUT/results.tgz" -C "$WORK" .
-cp "$WORK/log.txt" "$OUT/log.txt" 2>/dev/null
 exit 0

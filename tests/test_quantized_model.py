@@ -19,6 +19,7 @@ from wmtp import LLM, SamplingParams, SpecConfig
 from wmtp.cli import main
 from wmtp.errors import CheckpointError, ConfigError
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PRESETS = ["tiny-qwen3.5-moe", "tiny-llama"]  # hybrid GDN-MoE (MoE, GDN, gated attention), dense Llama + DeepSeek head
 
 
@@ -227,7 +228,7 @@ def test_triton_backend_emits_the_twins_tokens(fmt, monkeypatch):
     prompts = [[5, 9, 3] * 5, [7] * 12]
     outs = []
     for backend, graphs in (("torch", "off"), ("triton", "eager")):
-        llm = LLM(tiny_model("tiny-qwen3.5-moe", backend=backend, quantize=fmt), spec=spec, max_model_len=48,
+        llm = LLM(tiny_model("tiny-qwen3.5-moe", DEVICE, backend=backend, quantize=fmt), spec=spec, max_model_len=48,
                   max_num_seqs=2, prefill_chunk=16, decode_graphs=graphs)
         outs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))])
         if backend == "triton":

@@ -180,18 +180,18 @@ def kernel_bench(a: argparse.Namespace, device: torch.device) -> dict:
 
 def admission(model, mode: str, a: argparse.Namespace) -> dict:
     """Size the pools from the free memory, admit synthetic S-token requests until one does not
-    fit, then run one step with all of them."""
+    fit (or ``--max-admit`` are in), then run one step with all of them."""
     from wmtp.bench.synthetic import add_synthetic_request, randomize_pools
 
     spec = _spec(mode, a.d, a.window, a.sink)
     free, _ = torch.cuda.mem_get_info()
     budget = free - int(a.reserve_gib * 2**30)
-    eng = Engine(model, spec, EngineConfig(max_model_len=a.context + 64, max_num_seqs=16, page_size=a.page_size,
-                                           kv_memory_bytes=budget))
+    eng = Engine(model, spec, EngineConfig(max_model_len=a.context + 64, max_num_seqs=a.max_admit,
+                                           page_size=a.page_size, kv_memory_bytes=budget))
     randomize_pools(eng)
     n = 0
     try:
-        while n < 16:
+        while n < a.max_admit:
             add_synthetic_request(eng, a.context, 32, seed=n)
             n += 1
     except MemoryError:
@@ -203,7 +203,8 @@ def admission(model, mode: str, a: argparse.Namespace) -> dict:
     release_pools(model)
     print(f"[{mode:8s}] admitted {n} requests of {a.context} tokens in {budget / 2**30:.1f} GiB; one step {t * 1e3:.1f} ms",
           flush=True)
-    return {"mode": mode, "S": a.context, "d": spec.verify_tokens, "max_admitted": n, "kv_budget_bytes": budget,
+    return {"mode": mode, "S": a.context, "d": spec.verify_tokens, "max_admitted": n, "admit_cap": a.max_admit,
+            "kv_budget_bytes": budget,
             "pools": mem, "per_request_bytes": per_req, "step_s": t}
 
 
@@ -338,6 +339,7 @@ def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
             s.add_argument("--accept", type=int, default=3, help="forced accepted drafts per iteration")
             s.add_argument("--kernels", action="store_true", help="also the attention micro-benchmarks")
             s.add_argument("--admission", action="store_true", help="also how many S-token requests fit")
+            s.add_argument("--max-admit", type=int, default=16, help="admission: stop at this many requests")
             s.add_argument("--reserve-gib", type=float, default=16.0,
                            help="left free for activations and decode graphs (6 GiB ran out in the 1M batch sweep)")
             s.add_argument("--heads", type=int, default=16)
