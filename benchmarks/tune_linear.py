@@ -28,31 +28,48 @@ SHAPES = [("o_proj / out_proj / mtp fc", 2048, 4096, GRID_DEEP),
           ("attention qkv", 9216, 2048, GRID_WIDE), ("gdn in_proj", 12352, 2048, GRID_WIDE)]
 
 
+# quantized weights (--quantize): (block_n, block_k, splits, num_warps, num_stages), K steps the
+# format allows (FP8: within a 128-input scale block)
+QUANT_GRIDS = {"nvfp4": list(itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8), (4,), (3,))),
+               "fp8": list(itertools.product((16, 32, 64), (64, 128), (1, 2, 4, 8), (4,), (3,)))}
+QUANT_SHAPES = SHAPES[:1] + SHAPES[2:] + [("shared expert gate / up", 512, 2048, None),
+                                          ("shared expert down", 2048, 512, None)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--copies-bytes", type=float, default=256e6, help="weight bytes cycled through per timing")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--shapes", default="", help="comma-separated case names to run (default: all)")
+    ap.add_argument("--quantize", choices=sorted(QUANT_GRIDS), default=None,
+                    help="the weights in this format (its QUANT_GRIDS); cuBLAS then runs on the bf16 weights")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from wmtp.bench.timing import cold_ms_per_call
-    from wmtp.kernels.linear import LinearTiles, decode_linear, linear_tiles, skinny_linear
+    from wmtp.kernels.linear import LinearTiles, decode_linear, linear_tiles, quant_tiles, skinny_linear
+    from wmtp.kernels.quant_tiles import kernel_weight
+    from wmtp.quant import FORMATS, QuantWeight
 
     dt, rows = torch.bfloat16, []
-    shapes = [s for s in SHAPES if not a.shapes or s[0] in a.shapes.split(",")]
+    fmt = FORMATS[a.quantize]() if a.quantize else None
+    shapes = [s for s in (QUANT_SHAPES if fmt else SHAPES) if not a.shapes or s[0] in a.shapes.split(",")]
     for (name, N, K, grid), T in itertools.product(shapes, map(int, a.tokens.split(","))):
-        copies = max(1, int(a.copies_bytes // (N * K * 2)))
-        ws = [torch.randn(N, K, device="cuda", dtype=dt) * K**-0.5 for _ in range(copies)]
+        nbytes = N * K * 2 if fmt is None else fmt.weight_bytes(N, K)
+        copies = max(1, int(a.copies_bytes // nbytes))
+        dense = [torch.randn(N, K, device="cuda", dtype=dt) * K**-0.5 for _ in range(copies)]
+        ws = dense if fmt is None else [QuantWeight(fmt, fmt.to_model(fmt.quantize(w), N), K) for w in dense]
+        grid = grid if fmt is None else QUANT_GRIDS[a.quantize]
         x = torch.randn(T, K, device="cuda", dtype=dt)
 
-        def bench(fn) -> float:
-            return cold_ms_per_call(fn, ws)
+        def bench(fn, weights=ws) -> float:
+            return cold_ms_per_call(fn, weights)
 
-        cublas = bench(lambda w: F.linear(x, w))
-        chosen = linear_tiles(T, N, K)
+        cublas = bench(lambda w: F.linear(x, w), dense)
+        chosen = linear_tiles(T, N, K) if fmt is None else quant_tiles(T, N, K, kernel_weight(name, ws[0]).format)
         chosen_ms = bench(lambda w: decode_linear(x, w))  # what the engine runs: the kernel, or cuBLAS where None
-        err = (skinny_linear(x, ws[0]).float() - F.linear(x, ws[0]).float()).abs().max().item()
+        ref = F.linear(x, ws[0] if fmt is None else ws[0].dequantize(dt))
+        err = (skinny_linear(x, ws[0]).float() - ref.float()).abs().max().item()
         results = []
         for cfg in [] if a.no_sweep else grid:
             tiles = LinearTiles(*cfg)
@@ -61,15 +78,15 @@ def main() -> None:
             except Exception as e:  # resources exceeded for this tile
                 results.append({**tiles._asdict(), "error": type(e).__name__})
         best = min((r for r in results if "ms" in r), key=lambda r: r["ms"], default={"ms": chosen_ms})
-        tb = N * K * 2 / 1e9  # TB/s = weight bytes / 1e12 / (ms / 1e3)
-        print(f"{name:28s} T={T}: cuBLAS {cublas * 1e3:6.1f} us ({tb / cublas:.2f} TB/s) | engine "
+        tb = nbytes / 1e9  # TB/s = weight bytes / 1e12 / (ms / 1e3)
+        print(f"{name:28s} T={T}: cuBLAS (bf16) {cublas * 1e3:6.1f} us ({N * K * 2 / 1e9 / cublas:.2f} TB/s) | engine "
               f"{chosen} {chosen_ms * 1e3:6.1f} us ({tb / chosen_ms:.2f}) | best {best['ms'] * 1e3:6.1f} us "
               f"({tb / best['ms']:.2f}) {best} | max err {err:.3g}", flush=True)
         rows.append({"case": name, "N": N, "K": K, "tokens": T, "copies": copies, "cublas_ms": cublas,
                      "chosen_ms": chosen_ms, "chosen_tiles": None if chosen is None else chosen._asdict(), "best": best,
                      "max_abs_err_vs_cublas": err, "all": results})
     with open(a.out, "w") as f:
-        json.dump({"kind": "linear_tuning", "hardware": torch.cuda.get_device_name(),
+        json.dump({"kind": "linear_tuning", "hardware": torch.cuda.get_device_name(), "quantize": a.quantize,
                    "command": "python benchmarks/tune_linear.py " + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
 
 

@@ -32,6 +32,14 @@ GRIDS = {
     "swiglu_routed_shared": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (2, 3, 4))),
     "down_combine_shared": list(itertools.product((2, 4, 8, 16), (64, 128, 256, 512), (4, 8), (2, 3))),
 }
+# quantized experts (--quantize): fewer stages / warps, K steps the format allows (FP8: within a
+# 128-input scale block)
+QUANT_GRIDS = {
+    "nvfp4": {"swiglu_routed_shared": list(itertools.product((8, 16), (128, 256, 512), (4, 8), (3,))),
+              "down_combine_shared": list(itertools.product((4, 8, 16), (64, 128, 256), (4, 8), (2,)))},
+    "fp8": {"swiglu_routed_shared": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,))),
+            "down_combine_shared": list(itertools.product((4, 8, 16), (64, 128), (4, 8), (2,)))},
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,20 +52,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--layers", type=int, default=4, help="weight sets cycled through per timing (cold weights)")
     ap.add_argument("--cases", default=",".join(GRIDS), help="comma-separated cases of GRIDS to sweep")
+    ap.add_argument("--quantize", choices=sorted(QUANT_GRIDS), default=None,
+                    help="the experts (routed and shared) in this format, its grid (QUANT_GRIDS)")
     ap.add_argument("--out", required=True, help="JSON file for every configuration's timing")
     return ap.parse_args(argv)
 
 
-def sweep(name: str, fn: Callable[..., torch.Tensor], layers: int, nbytes: int, T: int) -> dict:
+def sweep(name: str, fn: Callable[..., torch.Tensor], layers: int, nbytes: int, T: int, grid: list) -> dict:
     """Times ``fn(layer, **cfg)`` per launch, over every layer's weights in one graph, for every
-    configuration of ``GRIDS[name]`` and for the defaults."""
+    configuration of ``grid`` and for the defaults."""
     from wmtp.bench.timing import cold_ms_per_call
 
     def per_launch(**cfg) -> float:
         return cold_ms_per_call(lambda layer: fn(layer, **cfg), range(layers))
 
     results = []
-    for bn, bk, nw, ns in GRIDS[name]:
+    for bn, bk, nw, ns in grid:
         cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
         try:
             results.append({**cfg, "ms": per_launch(**cfg)})
@@ -79,12 +89,24 @@ def main() -> None:
     if cases - set(GRIDS):
         raise SystemExit(f"tune_moe: unknown --cases {sorted(cases - set(GRIDS))}; known: {list(GRIDS)}")
 
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, device=dev, dtype=dt) * shape[-1] ** -0.5
+    from wmtp.quant import FORMATS, QuantWeight
+
+    fmt = FORMATS[a.quantize]() if a.quantize else None
+    grids = QUANT_GRIDS[a.quantize] if a.quantize else GRIDS
+
+    def randn(*shape: int) -> torch.Tensor | QuantWeight:
+        w = torch.randn(*shape, device=dev, dtype=dt) * shape[-1] ** -0.5
+        return w if fmt is None else QuantWeight(fmt, fmt.to_model(fmt.quantize(w), shape[-2]), shape[-1])
+
+    def nbytes(n: int, kk: int) -> int:
+        return n * kk * 2 if fmt is None else fmt.weight_bytes(n, kk)
+
+    def rows(w, lo: int, hi: int):
+        return w[:, lo:hi] if fmt is None else w.rows(slice(lo, hi))
 
     # per layer: routed gate/up [E, 2I, H], down [E, H, I]; shared gate, up [Is, H], down [H, Is]
     weights = [(randn(E, 2 * I, H), randn(E, H, I), randn(Is, H), randn(Is, H), randn(H, Is)) for _ in range(a.layers)]
-    rows = []
+    out = []
     for T in map(int, a.tokens.split(",")):
         x = torch.randn(T, H, device=dev, dtype=dt)
         w, i, _ = route_topk(torch.randn(T, E, device=dev), k, True)
@@ -92,7 +114,7 @@ def main() -> None:
 
         def swiglu(layer: int, **c) -> tuple[torch.Tensor, torch.Tensor]:
             gate_up, _, sg, su, _ = weights[layer]
-            return swiglu_gemv_with_shared(x, gate_up[:, :I], gate_up[:, I:], idx, k, sg, su, **c)
+            return swiglu_gemv_with_shared(x, rows(gate_up, 0, I), rows(gate_up, I, 2 * I), idx, k, sg, su, **c)
 
         hs = [swiglu(layer) for layer in range(a.layers)]
         gate_s = torch.randn(T, device=dev)
@@ -103,12 +125,15 @@ def main() -> None:
 
         distinct = int(torch.unique(i).numel())
         if "swiglu_routed_shared" in cases:
-            rows.append(sweep("swiglu_routed_shared", swiglu, a.layers, (distinct * I + Is) * 2 * H * 2, T))
+            out.append(sweep("swiglu_routed_shared", swiglu, a.layers, 2 * (distinct * nbytes(I, H) + nbytes(Is, H)), T,
+                             grids["swiglu_routed_shared"]))
         if "down_combine_shared" in cases:
-            rows.append(sweep("down_combine_shared", combine, a.layers, (distinct * I + Is) * H * 2, T))
+            out.append(sweep("down_combine_shared", combine, a.layers, distinct * nbytes(H, I) + nbytes(H, Is), T,
+                             grids["down_combine_shared"]))
     with open(a.out, "w") as f:
         json.dump({"kind": "moe_tuning", "hardware": torch.cuda.get_device_name(), "layers": a.layers,
-                   "command": "python benchmarks/tune_moe.py " + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
+                   "quantize": a.quantize, "command": "python benchmarks/tune_moe.py " + " ".join(sys.argv[1:]),
+                   "rows": out}, f, indent=1)
 
 
 if __name__ == "__main__":

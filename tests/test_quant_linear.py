@@ -1,6 +1,7 @@
-"""The weight-only quantized decode GEMV (``wmtp.kernels.quant_linear``) against its twin
-``F.linear(x, w.dequantize(x.dtype))``, for NVFP4 and block FP8: rows 1..16, N and K not multiples
-of the tiles, packed projections whose parts keep their own scales, bias, bad input."""
+"""The skinny linear kernel over quantized weights (``wmtp.kernels.linear``, ``quant_tiles``) against
+its twin ``F.linear(x, w.dequantize(x.dtype))``, for NVFP4 and block FP8: rows 1..64, N and K not
+multiples of the tiles, split K, packed projections whose parts keep their own scales, bias, the
+dequantizing path above the kernel's rows, bad input."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from wmtp.kernels.quant_linear import MAX_ROWS, quant_linear  # noqa: E402
+from wmtp.kernels.linear import MAX_ROWS, QUANT_MAX_ROWS, LinearTiles, decode_linear, skinny_linear  # noqa: E402
 from wmtp.quant import FP8Block, NVFP4, QuantWeight  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -34,7 +35,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-@pytest.mark.parametrize("rows", [1, 7, MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 7, MAX_ROWS, QUANT_MAX_ROWS])
 @pytest.mark.parametrize("fmt", [NVFP4(), FP8Block()], ids=["nvfp4", "fp8"])
 def test_quant_linear_matches_the_twin(fmt, rows, dtype):
     k = 160 if isinstance(fmt, NVFP4) else 200  # several K steps, the last partial (NVFP4: K a multiple of 16)
@@ -42,18 +43,26 @@ def test_quant_linear_matches_the_twin(fmt, rows, dtype):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     b = torch.randn(70, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
     want = F.linear(x, w.dequantize(dtype))
-    assert _close(quant_linear(x, w, block_n=16, block_k=32), want)
-    assert _close(quant_linear(x, w, b, block_n=32, block_k=64), F.linear(x, w.dequantize(dtype), b))
-    assert _close(quant_linear(x, w.rows(slice(40, 63))), F.linear(x, w.rows(slice(40, 63)).dequantize(dtype)))
+    assert _close(skinny_linear(x, w, tiles=LinearTiles(16, 32, 1, 4)), want)
+    assert _close(skinny_linear(x, w, b, tiles=LinearTiles(32, 64, 1, 4)), F.linear(x, w.dequantize(dtype), b))
+    assert _close(skinny_linear(x, w, b, tiles=LinearTiles(16, 32, 3, 4)), F.linear(x, w.dequantize(dtype), b))  # split K
+    assert _close(decode_linear(x, w.rows(slice(40, 63))), F.linear(x, w.rows(slice(40, 63)).dequantize(dtype)))
+
+
+def test_quant_linear_above_the_kernels_rows_dequantizes():
+    w = _weight(NVFP4(), [24], 32, seed=0)
+    x = torch.randn(QUANT_MAX_ROWS + 3, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    assert _close(decode_linear(x, w), F.linear(x, w.dequantize(x.dtype)))
 
 
 def test_quant_linear_bad_input_names_the_problem():
     w = _weight(NVFP4(), [8], 32, seed=0)
-    with pytest.raises(ValueError, match=r"quant_linear: weight \(8, 32\) must be \[N, 48\]"):
-        quant_linear(torch.zeros(2, 48, device=DEVICE), w)
-    with pytest.raises(ValueError, match="x has 17 rows"):
-        quant_linear(torch.zeros(17, 32, device=DEVICE), w)
+    with pytest.raises(ValueError, match=r"skinny_linear: weight \(8, 32\) nvfp4 must be \[N, 48\]"):
+        skinny_linear(torch.zeros(2, 48, device=DEVICE), w)
+    with pytest.raises(ValueError, match=f"x has {QUANT_MAX_ROWS + 1} rows"):
+        skinny_linear(torch.zeros(QUANT_MAX_ROWS + 1, 32, device=DEVICE), w)
     with pytest.raises(ValueError, match="block_k 24 must be a power of 2"):
-        quant_linear(torch.zeros(2, 32, device=DEVICE), w, block_k=24)
+        skinny_linear(torch.zeros(2, 32, device=DEVICE), w, tiles=LinearTiles(16, 24, 1, 4))
     with pytest.raises(ValueError, match="FP8 block_k 48 must divide"):
-        quant_linear(torch.zeros(2, 32, device=DEVICE), _weight(FP8Block(), [8], 32, seed=0), block_k=48)
+        skinny_linear(torch.zeros(2, 32, device=DEVICE), _weight(FP8Block(), [8], 32, seed=0),
+                      tiles=LinearTiles(16, 48, 1, 4))

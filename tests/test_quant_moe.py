@@ -1,6 +1,7 @@
-"""The quantized routed-expert GEMVs (``wmtp.kernels.quant_moe``) against their twin, the reference
-MoE (``TorchBackend.moe``) over the dequantized experts: NVFP4 and block FP8, 1 and 7 tokens,
-top-k not a power of two, with a shared expert (quantized or float) and without."""
+"""The decode MoE kernels (``wmtp.kernels.moe``) over quantized experts against their twin, the
+reference MoE (``TorchBackend.moe``) over the dequantized experts: NVFP4 and block FP8, 1 and 7
+tokens, top-k not a power of two, with a shared expert (quantized, riding in the routed launches,
+or float, through the linears) and without."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from wmtp.kernels.common import SharedExpert  # noqa: E402
-from wmtp.kernels.quant_moe import quant_down_combine, quant_moe_gemv, quant_swiglu  # noqa: E402
+from wmtp.kernels.moe import down_combine, moe_gemv, swiglu_gemv  # noqa: E402
 from wmtp.models.backend import TorchBackend  # noqa: E402
 from wmtp.quant import FP8Block, NVFP4, QuantWeight  # noqa: E402
 
@@ -49,13 +50,14 @@ def test_swiglu_and_down_combine_match_the_reference(fmt, dtype):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
     idx = torch.randint(0, E, (T, top_k), generator=g).to(DEVICE)
-    h = quant_swiglu(x, gate_up, idx.view(-1), top_k, block_n=16, block_k=64)
+    gate, up = gate_up.rows(slice(0, inter)), gate_up.rows(slice(inter, None))
+    h = swiglu_gemv(x, gate, up, idx.view(-1), top_k, BLOCK_N=16, BLOCK_K=64)
     F = torch.nn.functional
     gu = torch.stack([F.linear(x[p // top_k], gate_up[int(e)].dequantize(dtype)) for p, e in enumerate(idx.view(-1))])
     want_h = F.silu(gu[:, :inter]) * gu[:, inter:]
     assert _close(h, want_h)
     top_w = torch.rand(T, top_k, generator=g).to(DEVICE)
-    out = quant_down_combine(want_h, down, idx, top_w, top_k, block_n=32, block_k=32)
+    out = down_combine(want_h, down, idx, top_w, top_k, BLOCK_N=32, BLOCK_K=32)
     y = torch.stack([F.linear(want_h[p], down[int(e)].dequantize(dtype)) for p, e in enumerate(idx.view(-1))])
     want = (y.view(T, top_k, H).float() * top_w[..., None]).sum(1).to(dtype)
     assert _close(out, want)
@@ -82,14 +84,18 @@ def test_moe_gemv_matches_the_reference_moe(fmt, tokens, shared):
                                 for n, k in ((24, H), (24, H), (H, 24))), gate)
     x = torch.randn(tokens, H, generator=g).to(DEVICE)
     want = TorchBackend().moe(x, router, gate_up, down, top_k, True, sh)
-    assert _close(quant_moe_gemv(x, router, gate_up, down, top_k, True, sh), want)
+    assert _close(moe_gemv(x, router, gate_up, down, top_k, True, sh), want)
 
 
 def test_bad_experts_name_the_problem():
     w = _experts(NVFP4(), [(16, 32), (16, 32)], 2, seed=0)
-    with pytest.raises(ValueError, match=r"quant_swiglu: experts \(2, 32, 32\) must be \[E, N, 48\]"):
-        quant_swiglu(torch.zeros(1, 48, device=DEVICE), w, torch.zeros(1, dtype=torch.long, device=DEVICE), 1)
-    with pytest.raises(ValueError, match=r"quant_swiglu: idx \(2,\) must be \[1\]"):
-        quant_swiglu(torch.zeros(1, 32, device=DEVICE), w, torch.zeros(2, dtype=torch.long, device=DEVICE), 1)
-    with pytest.raises(ValueError, match="quant_down_combine: h"):
-        quant_down_combine(torch.zeros(3, 32, device=DEVICE), w, torch.zeros(3, device=DEVICE), torch.zeros(3), 2)
+    gate, up = w.rows(slice(0, 16)), w.rows(slice(16, None))
+    one = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match=r"swiglu_gemv: weight \(2, 16, 32\) must be \[E, N, 48\]"):
+        swiglu_gemv(torch.zeros(1, 48, device=DEVICE), gate, up, one, 1)
+    with pytest.raises(ValueError, match=r"swiglu_gemv: idx \(2,\) must be \[1\]"):
+        swiglu_gemv(torch.zeros(1, 32, device=DEVICE), gate, up, torch.zeros(2, dtype=torch.long, device=DEVICE), 1)
+    with pytest.raises(ValueError, match="w_up .* must match w_gate"):
+        swiglu_gemv(torch.zeros(1, 32, device=DEVICE), gate, _experts(FP8Block(), [(16, 32)], 2, seed=0), one, 1)
+    with pytest.raises(ValueError, match="down_combine: h"):
+        down_combine(torch.zeros(3, 32, device=DEVICE), w, torch.zeros(3, device=DEVICE), torch.zeros(3), 2)

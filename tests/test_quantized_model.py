@@ -210,20 +210,22 @@ def test_quantized_presets_carry_the_release_config(tmp_path):
 @pytest.mark.whole_tiles
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 def test_triton_backend_emits_the_twins_tokens(fmt, monkeypatch):
-    """The Triton backend's quantized linears and experts (``quant_linear``, ``quant_moe_gemv``) in
+    """The Triton backend's quantized linears and experts (``skinny_linear``, ``moe_gemv``) in
     the whole engine, the static decode iteration the CUDA graphs replay included (prefill, draft,
     verify, extend): the torch backend's greedy tokens."""
-    import wmtp.kernels.quant_linear as ql
-    import wmtp.kernels.quant_moe as qm
+    import wmtp.kernels.linear as ql
+    import wmtp.kernels.moe as qm
     from tests.helpers import tiny_model
+
+    from wmtp.quant import QuantWeight
 
     calls = {"linear": 0, "moe": 0}
 
-    def spy(name, fn):
-        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
+    def spy(name, fn, arg):  # counts the calls whose weight (positional ``arg``) is quantized
+        return lambda *a, **k: calls.__setitem__(name, calls[name] + isinstance(a[arg], QuantWeight)) or fn(*a, **k)
 
-    monkeypatch.setattr(ql, "quant_linear", spy("linear", ql.quant_linear))
-    monkeypatch.setattr(qm, "quant_moe_gemv", spy("moe", qm.quant_moe_gemv))
+    monkeypatch.setattr(ql, "skinny_linear", spy("linear", ql.skinny_linear, 1))
+    monkeypatch.setattr(qm, "moe_gemv", spy("moe", qm.moe_gemv, 2))
     spec = SpecConfig(mode="windowed", num_draft_tokens=3, window=8, sink=2)
     prompts = [[5, 9, 3] * 5, [7] * 12]
     outs = []

@@ -54,8 +54,12 @@ Tensors = dict[str, torch.Tensor]  # suffix ("weight", "weight_scale", ...) -> t
 
 
 def e2m1_table(device: torch.device | str = "cpu") -> torch.Tensor:
-    """The 16 code values [16] float32 (codes 8..15 are the negatives of 0..7; code 8 is -0)."""
-    mag = torch.tensor(E2M1_VALUES, device=device)
+    """The 16 code values [16] float32 (codes 8..15 are the negatives of 0..7; code 8 is -0), made on
+    ``device`` from the bit fields (no host copy, so CUDA-graph capture may call it):
+    e = code >> 1 & 3, m = code & 1 -> 0.5 m (e = 0) or 2^(e-1) (1 + m/2)."""
+    c = torch.arange(8, device=device)
+    e, m = (c >> 1).float(), (c & 1).float()
+    mag = torch.where(e == 0, 0.5 * m, torch.exp2(e - 1) * (1 + 0.5 * m))
     return torch.cat([mag, -mag])
 
 

@@ -5,9 +5,11 @@ At B·d rows a projection is a weight read; cuBLAS picks tiles made for larger M
 read on the H200). Here each program multiplies a [rows, BLOCK_N] column block of the weight over
 its share of K with one dot per K step (the token rows padded to the dot's 16), and split-K partials
 (fp32) are summed by the column block's last program to arrive, in split order (deterministic), so
-a split-K projection is still one launch.
+a split-K projection is still one launch. Quantized weights (NVFP4, block FP8; ``quant_tiles``) take
+the same kernel, each weight tile dequantized in registers before its dot, up to ``QUANT_MAX_ROWS``.
 
-The twin is ``F.linear`` (``TorchBackend.linear``); ``tests/test_linear_kernel.py`` compares them.
+The twin is ``F.linear`` (``TorchBackend.linear``, over ``QuantWeight.dequantize`` for quantized
+weights); ``tests/test_linear_kernel.py`` and ``tests/test_quant_linear.py`` compare them.
 Under the CPU interpreter, whose bf16 dot is wrong, 16-bit operands are widened to fp32 first
 (exact products, fp32 accumulation, as on the GPU).
 """
@@ -21,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from wmtp.kernels.common import arrival_counters, launch_tile, pdl
+from wmtp.kernels.quant_tiles import FP8_CODE, NVFP4_CODE, kernel_weight
+from wmtp.quant import QuantWeight
 
 try:
     import triton
@@ -29,6 +33,9 @@ except ImportError:  # pragma: no cover
     triton = None
 
 MAX_ROWS = 16  # token rows one launch takes (a dot's minimum M)
+# quantized weights: up to a batched verify's rows (dequantizing the weight for a GEMM instead reads
+# and writes it in bf16 every call)
+QUANT_MAX_ROWS = 64
 
 
 class LinearTiles(NamedTuple):
@@ -44,29 +51,25 @@ class LinearTiles(NamedTuple):
 
 if triton is not None:
     from wmtp.kernels.common import last_to_arrive, wait_prior
+    from wmtp.kernels.quant_tiles import row_scale, weight_tile_dot
 
     @triton.jit
-    def split_dot(X, W, stride_xt, stride_wn, ts, t_ok, cols, col_ok, k_lo, K_SPLIT, K, WIDEN: tl.constexpr,
-                  PREC: tl.constexpr, BLOCK_K: tl.constexpr):
+    def split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, k_lo, K_SPLIT, K,
+                  FORMAT: tl.constexpr, WIDEN: tl.constexpr, PREC: tl.constexpr, BLOCK_K: tl.constexpr):
         """fp32 ``X[ts] @ W[cols].T`` over this program's K split ``[k_lo, k_lo + K_SPLIT)``, one dot
-        per K step: a [len(ts), len(cols)] tile (rows and columns past ``t_ok`` / ``col_ok`` are 0)."""
+        per K step (``weight_tile_dot``, any weight format): a [len(ts), len(cols)] tile (rows and
+        columns past ``t_ok`` / ``col_ok`` are 0)."""
         acc = tl.zeros([ts.shape[0], cols.shape[0]], tl.float32)
         for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            xv = tl.load(X + ts[:, None] * stride_xt + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-            wv = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if WIDEN:
-                xv = xv.to(tl.float32)
-                wv = wv.to(tl.float32)
-            acc = tl.dot(xv, tl.trans(wv), acc, input_precision=PREC)
+            acc = weight_tile_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, k0, K, acc,
+                                  FORMAT, WIDEN, PREC, BLOCK_K)
         return acc
 
     @triton.jit
-    def _skinny_linear_kernel(X, W, BIAS, OUT, PART, COUNT, T, N, K, stride_xt, stride_wn, stride_ot, K_SPLIT,
-                              HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, WIDEN: tl.constexpr,
-                              PREC: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              PDL: tl.constexpr):
+    def _skinny_linear_kernel(X, W, S, R, BIAS, OUT, PART, COUNT, T, N, K, stride_xt, stride_wn, stride_sn, stride_ot,
+                              K_SPLIT, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
+                              WIDEN: tl.constexpr, PREC: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         wait_prior(PDL)
         nb = tl.program_id(0)
         s = tl.program_id(1)
@@ -74,10 +77,12 @@ if triton is not None:
         col_ok = cols < N
         ts = tl.arange(0, T_P)
         t_ok = ts < T
-        acc = split_dot(X, W, stride_xt, stride_wn, ts, t_ok, cols, col_ok, s * K_SPLIT, K_SPLIT, K, WIDEN, PREC, BLOCK_K)
+        acc = split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, s * K_SPLIT, K_SPLIT, K,
+                        FORMAT, WIDEN, PREC, BLOCK_K)
         out_ptr = OUT + ts[:, None] * stride_ot + cols[None, :]
         out_ok = t_ok[:, None] & col_ok[None, :]
         if SPLITS == 1:
+            acc = acc * row_scale(R, cols, col_ok, FORMAT)[None, :]
             if HAS_BIAS:
                 acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr, acc.to(OUT.dtype.element_ty), mask=out_ok)
@@ -88,6 +93,7 @@ if triton is not None:
                 total = tl.zeros([T_P, BLOCK_N], tl.float32)
                 for j in range(SPLITS):
                     total += tl.load(part + j * T * N, mask=out_ok, other=0.0, cache_modifier=".cg")
+                total = total * row_scale(R, cols, col_ok, FORMAT)[None, :]
                 if HAS_BIAS:
                     total += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
                 tl.store(out_ptr, total.to(OUT.dtype.element_ty), mask=out_ok)
@@ -115,6 +121,16 @@ def linear_tiles(rows: int, n: int, k: int) -> LinearTiles | None:
     return LinearTiles(32, 256, 4 if k >= 4096 else 1, 4)
 
 
+def quant_tiles(rows: int, n: int, k: int, fmt: int) -> LinearTiles:
+    """Tiles for a quantized [n, k] weight (no cuBLAS alternative short of dequantizing it): 32-wide
+    column blocks, a K step of 256 NVFP4 inputs (128 bytes a row) or 128 FP8 inputs (one scale
+    block), and K splits until the launch has two programs per SM of an H200 (264)."""
+    block_k = 256 if fmt == NVFP4_CODE else 128
+    blocks = -(-n // 32)
+    splits = max(1, min(-(-264 // blocks), k // block_k, 8))
+    return LinearTiles(32, block_k, splits, 4)
+
+
 def dot_flags(dtype: torch.dtype) -> dict[str, object]:
     """``split_dot``'s WIDEN / PREC for operands of ``dtype``: ieee fp32 products for fp32 (tf32
     would round them); 16-bit operands widened under the CPU interpreter (its bf16 dot is wrong)."""
@@ -122,48 +138,68 @@ def dot_flags(dtype: torch.dtype) -> dict[str, object]:
             "PREC": "ieee" if dtype == torch.float32 else "tf32"}
 
 
-def skinny_rows(name: str, x: torch.Tensor, n: int, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The checks a skinny kernel's input passes (at most ``MAX_ROWS`` rows, a bias of ``n``): x as
+def skinny_rows(name: str, x: torch.Tensor, n: int, bias: torch.Tensor | None,
+                max_rows: int = MAX_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks a skinny kernel's input passes (at most ``max_rows`` rows, a bias of ``n``): x as
     [T, K] with unit-stride rows, and the empty [T, n] output."""
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] > MAX_ROWS:
-        raise ValueError(f"{name}: x has {x2.shape[0]} rows; at most {MAX_ROWS}")
+    if x2.shape[0] > max_rows:
+        raise ValueError(f"{name}: x has {x2.shape[0]} rows; at most {max_rows}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"{name}: bias {tuple(bias.shape)} must be [{n}]")
     out = torch.empty(x2.shape[0], n, device=x.device, dtype=x.dtype)
     return (x2 if x2.stride(1) == 1 else x2.contiguous()), out
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None,
                   tiles: LinearTiles | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [..., K] of at most ``MAX_ROWS`` rows (flattened);
-    weight [N, K] with unit stride on K. ``tiles`` overrides ``linear_tiles``' choice (which
-    falls back to a single 16 x 128 program per K split where it would choose cuBLAS)."""
+    """``F.linear(x, weight, bias)`` for x [..., K] of at most ``MAX_ROWS`` rows (flattened; a
+    quantized weight takes up to ``QUANT_MAX_ROWS``); weight [N, K] with unit stride on K, in x's
+    dtype or quantized (``wmtp.quant``: read packed, dequantized in registers). ``tiles`` overrides
+    ``linear_tiles``' / ``quant_tiles``' choice (``linear_tiles`` falls back to a single 16 x 128
+    program per K split where it would choose cuBLAS)."""
     K = x.shape[-1]
-    if weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1 or weight.dtype != x.dtype:
-        raise ValueError(f"skinny_linear: weight {tuple(weight.shape)} {weight.dtype} must be [N, {K}] {x.dtype} "
+    quant = isinstance(weight, QuantWeight)
+    if len(weight.shape) != 2 or weight.shape[1] != K or not quant and (weight.stride(1) != 1 or weight.dtype != x.dtype):
+        kind = weight.format.name if quant else weight.dtype
+        raise ValueError(f"skinny_linear: weight {tuple(weight.shape)} {kind} must be [N, {K}] {'' if quant else x.dtype} "
                          f"with unit stride on K (x {tuple(x.shape)})")
-    x2, out = skinny_rows("skinny_linear", x, weight.shape[0], bias)
+    kw = kernel_weight("skinny_linear", weight)
+    x2, out = skinny_rows("skinny_linear", x, weight.shape[0], bias, QUANT_MAX_ROWS if quant else MAX_ROWS)
     T, N = out.shape
     if T and N:
-        cfg = tiles or linear_tiles(T, N, K) or LinearTiles(16, 128, 1, 4)
+        default = quant_tiles(T, N, K, kw.format) if quant else linear_tiles(T, N, K) or LinearTiles(16, 128, 1, 4)
+        cfg = tiles or default
         if tiles is None:  # (one K split when a whole-K step covers K)
-            cfg = cfg._replace(block_n=launch_tile(cfg.block_n, N), block_k=launch_tile(cfg.block_k, K))
-        k_split = triton.cdiv(triton.cdiv(K, cfg.splits), cfg.block_k) * cfg.block_k  # a multiple of the K step
+            cfg = cfg._replace(block_n=launch_tile(cfg.block_n, N), block_k=launch_tile(cfg.block_k, K, 128 if quant else 1024))
+        bk = cfg.block_k
+        if kw.format == NVFP4_CODE and (bk < 16 or bk & (bk - 1)):
+            raise ValueError(f"skinny_linear: NVFP4 block_k {bk} must be a power of 2 >= 16")
+        if kw.format == FP8_CODE and (128 % bk or bk < 16):
+            raise ValueError(f"skinny_linear: FP8 block_k {bk} must divide the 128-input scale blocks")
+        k_split = triton.cdiv(triton.cdiv(K, cfg.splits), bk) * bk  # a multiple of the K step
         splits = triton.cdiv(K, k_split)
         blocks = triton.cdiv(N, cfg.block_n)
         part = torch.empty(splits, T, N, device=x.device, dtype=torch.float32) if splits > 1 else out
         _skinny_linear_kernel[(blocks, splits)](
-            x2, weight, out if bias is None else bias, out, part, arrival_counters(x.device, blocks), T, N, K,
-            x2.stride(0), weight.stride(0), out.stride(0), k_split, HAS_BIAS=bias is not None, SPLITS=splits,
-            T_P=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+            x2, kw.weight, kw.scale, kw.rows, out if bias is None else bias, out, part,
+            arrival_counters(x.device, blocks), T, N, K, x2.stride(0), kw.weight.stride(0), kw.scale.stride(0),
+            out.stride(0), k_split, FORMAT=kw.format, HAS_BIAS=bias is not None, SPLITS=splits,
+            T_P=max(MAX_ROWS, triton.next_power_of_2(T)), BLOCK_N=cfg.block_n, BLOCK_K=bk, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **dot_flags(x.dtype), **pdl(x.device))
     return out.view(*x.shape[:-1], N)
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, through ``skinny_linear`` where ``linear_tiles`` picks the kernel over cuBLAS."""
-    tiles = linear_tiles(x.numel() // max(x.shape[-1], 1), weight.shape[0], weight.shape[1])
+def decode_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, through ``skinny_linear`` where ``linear_tiles`` picks the kernel over cuBLAS;
+    a quantized weight through ``skinny_linear`` up to ``QUANT_MAX_ROWS`` rows, above them
+    dequantized, then one GEMM (prefill)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if isinstance(weight, QuantWeight):
+        if rows <= QUANT_MAX_ROWS and x.dtype != torch.float64:
+            return skinny_linear(x, weight, bias)
+        return F.linear(x, weight.dequantize(x.dtype), bias)
+    tiles = linear_tiles(rows, weight.shape[0], weight.shape[1])
     if tiles is None or x.dtype == torch.float64 or weight.dtype != x.dtype or weight.stride(-1) != 1:
         return F.linear(x, weight, bias)
     return skinny_linear(x, weight, bias)  # which takes linear_tiles' choice itself

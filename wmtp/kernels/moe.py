@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from wmtp.kernels.common import SharedExpert, launch_tile, pdl
-from wmtp.quant import dense
 from wmtp.kernels.linear import decode_linear
+from wmtp.kernels.quant_tiles import FP8_CODE, KernelWeight, kernel_weight, same_layout
+from wmtp.quant import QuantWeight, dense
 
 try:
     import triton
@@ -47,6 +48,7 @@ MAX_GEMV_PAIRS = 256
 
 if triton is not None:
     from wmtp.kernels.common import wait_prior
+    from wmtp.kernels.quant_tiles import row_scale, weight_dot
 
     @triton.jit
     def _route_topk_kernel(LOGITS, W_OUT, I_OUT, X, SG, SG_OUT, E, HID, TOP_K: tl.constexpr, K_P: tl.constexpr,
@@ -85,8 +87,12 @@ if triton is not None:
         tl.store(I_OUT + t * TOP_K + ks, sel_i, mask=ks < TOP_K)
 
     @triton.jit
-    def _swiglu_gemv_kernel(X, WG, WU, IDX, SG, SU, OUT, P, N, NS, K, stride_we, stride_wn, stride_sn,
-                            TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    def _swiglu_gemv_kernel(X, WG, WU, CG, CU, RG, RU, IDX, SG, SU, SCG, SCU, SRG, SRU, OUT, P, N, NS, K,
+                            stride_we, stride_wn, stride_ce, stride_cn, stride_re, stride_sn, stride_scn,
+                            TOP_K: tl.constexpr, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            PDL: tl.constexpr):
+        """Weights in FORMAT (``quant_tiles``): routed gate / up W*, their group scales C*, per-row
+        scales R* (leading expert strides *_e); the shared expert's S*, SC*, SR*."""
         wait_prior(PDL)
         p = tl.program_id(0)
         nb = tl.program_id(1)
@@ -97,38 +103,28 @@ if triton is not None:
         e = tl.load(IDX + p, mask=p < P, other=0).to(tl.int64)
         wg = tl.where(sh, SG, WG + e * stride_we)
         wu = tl.where(sh, SU, WU + e * stride_we)
+        cg = tl.where(sh, SCG, CG + e * stride_ce)
+        cu = tl.where(sh, SCU, CU + e * stride_ce)
         tok = tl.where(sh, p - P, p // TOP_K)
         n = tl.where(sh, NS, N)
         stride_n = tl.where(sh, stride_sn, stride_wn)
+        stride_c = tl.where(sh, stride_scn, stride_cn)
         out = OUT + tl.where(sh, P * N + (p - P) * NS, p * N)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n  # the grid spans max(N, NS) rows: the narrower kind masks the rest
+        x_off = tok * K + tl.zeros([1], tl.int64)
         g = tl.zeros([BLOCK_N], tl.float32)
         u = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            offs = rows[:, None] * stride_n + ks[None, :]
-            m = row_ok[:, None] & k_ok[None, :]
-            xv = tl.load(X + tok * K + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            g += tl.sum(tl.load(wg + offs, mask=m, other=0.0).to(tl.float32) * xv, 1)
-            u += tl.sum(tl.load(wu + offs, mask=m, other=0.0).to(tl.float32) * xv, 1)
+            g += weight_dot(wg, cg, X, rows * stride_n, rows * stride_c, x_off, row_ok, k0, K, FORMAT, BLOCK_K)
+            u += weight_dot(wu, cu, X, rows * stride_n, rows * stride_c, x_off, row_ok, k0, K, FORMAT, BLOCK_K)
+        g = g * row_scale(tl.where(sh, SRG, RG + e * stride_re), rows, row_ok, FORMAT)
+        u = u * row_scale(tl.where(sh, SRU, RU + e * stride_re), rows, row_ok, FORMAT)
         dt = OUT.dtype.element_ty
         g = g.to(dt).to(tl.float32)  # the reference rounds each projection to the activation dtype
         u = u.to(dt).to(tl.float32)
         h = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
         tl.store(out + rows, h.to(dt), mask=row_ok)
-
-    @triton.jit
-    def _gemv_rows(W, stride_wn, V, rows, row_ok, K, BLOCK_K: tl.constexpr):
-        """fp32 ``W[rows] @ V`` over K (W rows unit-strided; V a [K] vector)."""
-        acc = tl.zeros(rows.shape, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            w = tl.load(W + rows[:, None] * stride_wn + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * tl.load(V + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :], 1)
-        return acc
 
     @triton.jit
     def _combine_sorted_kernel(Y, POS, TW, OUT, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
@@ -145,34 +141,40 @@ if triton is not None:
         tl.store(OUT + t * N + cols, acc.to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _down_combine_kernel(H, W, IDX, TW, HS, WS, SL, OUT, N, K, KS, stride_we, stride_wn, stride_ws,
-                             TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, SHARED: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    def _down_combine_kernel(H, W, C, R, IDX, TW, HS, WS, CS, RS, SL, OUT, N, K, KS, stride_we, stride_wn, stride_ce,
+                             stride_cn, stride_re, stride_ws, stride_cs, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
+                             SHARED: tl.constexpr, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             PDL: tl.constexpr):
+        """Weights in FORMAT (``quant_tiles``): routed W, C, R (expert strides *_e), shared WS, CS, RS."""
         wait_prior(PDL)
         t = tl.program_id(0)
         nb = tl.program_id(1)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         dt = OUT.dtype.element_ty
-        # all top_k experts of token t at once: one [TOP_K_P, BLOCK_N, BLOCK_K] weight load per K step
+        # all top_k experts of token t at once: one [TOP_K_P, BLOCK_N, BLOCK_K] weight tile per K step
         # keeps top_k expert reads in flight (a loop over the experts issued them one after another)
         sel = tl.arange(0, TOP_K_P)
         sel_ok = sel < TOP_K
         p = t * TOP_K + sel
         e = tl.load(IDX + p, mask=sel_ok, other=0).to(tl.int64)
-        w_rows = W + e[:, None, None] * stride_we + rows[None, :, None] * stride_wn
-        w_ok = sel_ok[:, None, None] & row_ok[None, :, None]
+        w_rows = e[:, None] * stride_we + rows[None, :] * stride_wn
+        c_rows = e[:, None] * stride_ce + rows[None, :] * stride_cn
+        ok = sel_ok[:, None] & row_ok[None, :]
+        h_off = tl.where(sel_ok, p, 0)[:, None] * K  # padded experts read a valid row (their weights are 0)
         acc = tl.zeros([TOP_K_P, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            w = tl.load(w_rows + ks[None, None, :], mask=w_ok & k_ok[None, None, :], other=0.0)
-            hv = tl.load(H + p[:, None] * K + ks[None, :], mask=sel_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * hv.to(tl.float32)[:, None, :], 2)
+            acc += weight_dot(W, C, H, w_rows, c_rows, h_off, ok, k0, K, FORMAT, BLOCK_K)
+        acc = acc * row_scale(R, e[:, None] * stride_re + rows[None, :], ok, FORMAT)
         tw = tl.load(TW + p, mask=sel_ok, other=0.0)  # padded experts weigh 0 (and their acc is 0)
         out = tl.sum(acc.to(dt).to(tl.float32) * tw[:, None], 0)  # each expert rounded as the reference's
         if SHARED:  # + sigmoid(logit[t]) * (W_shared_down @ h_shared[t]), the projection rounded as F.linear's
-            acc_s = _gemv_rows(WS, stride_ws, HS + t * KS, rows, row_ok, KS, BLOCK_K)
+            acc_s = tl.zeros([BLOCK_N], tl.float32)
+            hs_off = t * KS + tl.zeros([1], tl.int64)
+            for k0 in range(0, KS, BLOCK_K):
+                acc_s += weight_dot(WS, CS, HS, rows * stride_ws, rows * stride_cs, hs_off, row_ok, k0, KS, FORMAT,
+                                    BLOCK_K)
+            acc_s = acc_s * row_scale(RS, rows, row_ok, FORMAT)
             out += acc_s.to(dt).to(tl.float32) / (1.0 + tl.exp(-tl.load(SL + t)))
         tl.store(OUT + t * N + rows, out.to(dt), mask=row_ok)
 
@@ -210,104 +212,127 @@ def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, x: torch.
     return Routing(w, i, sl)
 
 
-def _check_experts(name: str, x: torch.Tensor, w: torch.Tensor, k_dim: int) -> None:
-    if w.dim() != 3 or w.shape[2] != k_dim or w.stride(2) != 1:
+Weight = torch.Tensor | QuantWeight
+
+
+def _experts(name: str, x: torch.Tensor, w: Weight, k_dim: int) -> KernelWeight:
+    if len(w.shape) != 3 or w.shape[2] != k_dim:
         raise ValueError(f"{name}: weight {tuple(w.shape)} must be [E, N, {k_dim}] with unit stride on the last dim "
                          f"(x {tuple(x.shape)})")
+    return kernel_weight(name, w)
 
 
-def swiglu_gemv(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, idx: torch.Tensor,
-                top_k: int = 1, **launch) -> torch.Tensor:
+def _block_k(kw: KernelWeight, tile: int, k: int) -> int:
+    """The K step: ``tile``, at most one 128-input scale block for FP8 (whose steps must divide it)."""
+    return launch_tile(min(tile, 128) if kw.format == FP8_CODE else tile, k, 128 if kw.format == FP8_CODE else 1024)
+
+
+def swiglu_gemv(x: torch.Tensor, w_gate: Weight, w_up: Weight, idx: torch.Tensor, top_k: int = 1,
+                **launch) -> torch.Tensor:
     """``silu(w_gate[idx[p]] @ x[p // top_k]) * (w_up[idx[p]] @ x[p // top_k])`` for every pair p.
-    x [T, K]; w_gate, w_up [E, N, K] (same strides; views of one packed tensor are fine); idx
-    [T * top_k]. Returns [T * top_k, N] in x's dtype.
-    ``launch`` overrides BLOCK_N / BLOCK_K / num_warps / num_stages (``benchmarks/tune_moe.py``)."""
+    x [T, K]; w_gate, w_up [E, N, K] in x's dtype or quantized (``wmtp.quant``), same format and
+    strides (views of one packed tensor are fine); idx [T * top_k]. Returns [T * top_k, N] in x's
+    dtype. ``launch`` overrides BLOCK_N / BLOCK_K / num_warps / num_stages (``benchmarks/tune_moe.py``)."""
     return _swiglu_launch("swiglu_gemv", x, w_gate, w_up, idx, top_k, None, launch)[0]
 
 
-def swiglu_gemv_with_shared(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, idx: torch.Tensor,
-                            top_k: int, shared_gate: torch.Tensor, shared_up: torch.Tensor,
-                            **launch) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_gemv_with_shared(x: torch.Tensor, w_gate: Weight, w_up: Weight, idx: torch.Tensor, top_k: int,
+                            shared_gate: Weight, shared_up: Weight, **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """``swiglu_gemv``'s routed rows and the shared expert's ``silu(shared_gate @ x[t]) *
-    (shared_up @ x[t])`` for every token t, in one launch. shared_gate, shared_up [Ns, K] (same
-    strides and dtype as w_gate; Ns may differ from the routed N). Returns the routed rows
+    (shared_up @ x[t])`` for every token t, in one launch. shared_gate, shared_up [Ns, K] (the
+    routed weights' format and strides; Ns may differ from the routed N). Returns the routed rows
     [T * top_k, N] and the shared rows [T, Ns], both contiguous views of one buffer."""
     return _swiglu_launch("swiglu_gemv_with_shared", x, w_gate, w_up, idx, top_k, (shared_gate, shared_up), launch)
 
 
-def _check_shared_swiglu(name: str, w_gate: torch.Tensor, sg: torch.Tensor, su: torch.Tensor) -> None:
+def shared_fits(routed: Weight, *shared: Weight) -> bool:
+    """Whether the shared expert's weights can ride in the routed experts' launches: one format
+    (and float dtype) for all."""
+    fmt = lambda w: w.format.name if isinstance(w, QuantWeight) else w.dtype  # noqa: E731
+    return all(fmt(w) == fmt(routed) for w in shared)
+
+
+def _check_shared_swiglu(name: str, routed: KernelWeight, sg: KernelWeight, su: KernelWeight) -> None:
     """The shared expert's gate / up weights share one pointer type and stride with the routed
-    ones in the kernel: [Ns, K], unit-strided along K, w_gate's dtype, equal strides."""
-    K = w_gate.shape[2]
-    if sg.dim() != 2 or sg.shape[1] != K or sg.stride(1) != 1 or sg.dtype != w_gate.dtype:
-        raise ValueError(f"{name}: shared_gate {tuple(sg.shape)} {sg.dtype} must be [Ns, {K}] {w_gate.dtype} "
-                         f"with unit stride on the last dim")
-    if su.shape != sg.shape or su.stride() != sg.stride() or su.dtype != sg.dtype:
+    ones in the kernel: [Ns, K], unit-strided along K, the routed format, equal strides."""
+    K = routed.k
+    if len(sg.shape) != 2 or sg.k != K or sg.format != routed.format or sg.weight.dtype != routed.weight.dtype:
+        raise ValueError(f"{name}: shared_gate {tuple(sg.shape)} {sg.weight.dtype} must be [Ns, {K}] in the routed "
+                         f"experts' format ({routed.weight.dtype}) with unit stride on the last dim")
+    if not same_layout(sg, su):
         raise ValueError(f"{name}: shared_up {tuple(su.shape)} must match shared_gate {tuple(sg.shape)}, "
-                         f"its strides and dtype")
+                         f"its format and strides")
 
 
-def _swiglu_launch(name: str, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, idx: torch.Tensor,
-                   top_k: int, shared: tuple[torch.Tensor, torch.Tensor] | None,
+def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx: torch.Tensor,
+                   top_k: int, shared: tuple[Weight, Weight] | None,
                    launch: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Checks and launches ``_swiglu_gemv_kernel`` over the P routed rows and, with ``shared``, the T
     shared-expert rows; returns (routed [P, N], shared [T, Ns] or None)."""
     T, K = x.shape
-    _check_experts(name, x, w_gate, K)
-    if w_up.shape != w_gate.shape or w_up.stride() != w_gate.stride():
-        raise ValueError(f"{name}: w_up {tuple(w_up.shape)} must match w_gate {tuple(w_gate.shape)} and its strides")
+    g, u = _experts(name, x, w_gate, K), kernel_weight(name, w_up)
+    if not same_layout(g, u):
+        raise ValueError(f"{name}: w_up {tuple(w_up.shape)} must match w_gate {tuple(w_gate.shape)}, its format and strides")
     P = T * top_k
     if idx.shape != (P,):
         raise ValueError(f"{name}: idx {tuple(idx.shape)} must be [{P}] (tokens x top_k)")
-    N = w_gate.shape[1]
+    N = g.shape[1]
+    sg, su = (kernel_weight(name, w) for w in shared) if shared is not None else (g, u)  # no shared rows: never read
     if shared is not None:
-        _check_shared_swiglu(name, w_gate, *shared)
-    sg, su = shared if shared is not None else (w_gate, w_up)  # no shared rows: never read
+        _check_shared_swiglu(name, g, sg, su)
     Ts, Ns = (T, sg.shape[0]) if shared is not None else (0, N)
     buf = torch.empty(P * N + Ts * Ns, device=x.device, dtype=x.dtype)
     if P + Ts:
         # 8 warps; 8 x 256 tiles for a token's 8 pairs, 16 x 128 for a verify's 56: best on the H200
         # for the 35B shape with the shared rows folded in (9.8 / 52.7 us; benchmarks/tune_moe.py)
         tile = (16, 128) if P + Ts >= 32 else (8, 256)
-        cfg = {"BLOCK_N": launch_tile(tile[0], max(N, Ns)), "BLOCK_K": launch_tile(tile[1], K), "num_warps": 8,
+        cfg = {"BLOCK_N": launch_tile(tile[0], max(N, Ns)), "BLOCK_K": _block_k(g, tile[1], K), "num_warps": 8,
                **launch}
+        we, wn, ce, cn = g.strides()
         _swiglu_gemv_kernel[(P + Ts, triton.cdiv(max(N, Ns), cfg["BLOCK_N"]))](
-            x.contiguous(), w_gate, w_up, idx.contiguous(), sg, su, buf, P, N, Ns, K,
-            w_gate.stride(0), w_gate.stride(1), sg.stride(-2), TOP_K=top_k, **cfg, **pdl(x.device))
+            x.contiguous(), g.weight, u.weight, g.scale, u.scale, g.rows, u.rows, idx.contiguous(),
+            sg.weight, su.weight, sg.scale, su.scale, sg.rows, su.rows, buf, P, N, Ns, K,
+            we, wn, ce, cn, g.rows_stride(), sg.weight.stride(-2), sg.scale.stride(-2), TOP_K=top_k, FORMAT=g.format,
+            **cfg, **pdl(x.device))
     return buf[:P * N].view(P, N), None if shared is None else buf[P * N:].view(T, Ns)
 
 
-def down_combine(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, top_w: torch.Tensor, top_k: int,
-                 shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, **launch) -> torch.Tensor:
+def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.Tensor, top_k: int,
+                 shared: tuple[torch.Tensor, Weight, torch.Tensor] | None = None, **launch) -> torch.Tensor:
     """``out[t] = sum_k top_w[t,k] * down[idx[t,k]] @ h[t*top_k + k]``, plus, with ``shared`` =
     (h_s [T, Ks], down_s [N, Ks], logit [T]), ``sigmoid(logit[t]) * down_s @ h_s[t]`` (the shared
-    expert's down projection and gate, no separate GEMM). h [T * top_k, K]; down [E, N, K]; idx,
-    top_w [T, top_k]. Returns [T, N] in h's dtype. ``launch`` as for ``swiglu_gemv``."""
+    expert's down projection and gate, no separate GEMM). h [T * top_k, K]; down [E, N, K] in h's
+    dtype or quantized (down_s in the same format); idx, top_w [T, top_k]. Returns [T, N] in h's
+    dtype. ``launch`` as for ``swiglu_gemv``."""
     P, K = h.shape
     if top_k < 1 or P % top_k:
         raise ValueError(f"down_combine: h {tuple(h.shape)} must be [T * top_k, K] for top_k={top_k}")
     T = P // top_k
-    _check_experts("down_combine", h, down, K)
+    d = _experts("down_combine", h, down, K)
     if idx.numel() != P or top_w.numel() != P:
         raise ValueError(f"down_combine: idx {tuple(idx.shape)} and top_w {tuple(top_w.shape)} must be "
                          f"[{T}, {top_k}] for h {tuple(h.shape)}")
-    N = down.shape[1]
+    N = d.shape[1]
+    ds = d
     if shared is not None:
         hs, ws, sl = shared
-        if hs.shape[0] != T or ws.shape != (N, hs.shape[1]) or ws.stride(1) != 1 or sl.numel() != T:
-            raise ValueError(f"down_combine: shared h {tuple(hs.shape)}, down {tuple(ws.shape)}, logit {tuple(sl.shape)} "
-                             f"must be [{T}, Ks], [{N}, Ks] (unit stride on Ks) and [{T}]")
+        ds = kernel_weight("down_combine", ws)
+        if hs.shape[0] != T or ds.shape != (N, hs.shape[1]) or sl.numel() != T or ds.format != d.format:
+            raise ValueError(f"down_combine: shared h {tuple(hs.shape)}, down {tuple(ds.shape)}, logit {tuple(sl.shape)} "
+                             f"must be [{T}, Ks], [{N}, Ks] (unit stride on Ks, the routed format) and [{T}]")
     out = torch.empty(T, N, device=h.device, dtype=h.dtype)
     if T:
         # the [top_k, BLOCK_N, BLOCK_K] weight tile is held in registers: 8 x 8 x 128 at 8 warps is 32
         # values a thread for top_k 8; best on the H200 at 1 and 7 tokens (5.1 / 31.0 us, vs 9.2 / 40.2
         # at 4 warps; benchmarks/tune_moe.py)
-        cfg = {"BLOCK_N": launch_tile(8, N), "BLOCK_K": launch_tile(128, K), "num_warps": 8, **launch}
-        hs, ws, sl = (out, out, out) if shared is None else (shared[0].contiguous(), shared[1], shared[2].float().contiguous())
+        cfg = {"BLOCK_N": launch_tile(8, N), "BLOCK_K": _block_k(d, 128, K), "num_warps": 8, **launch}
+        hs, sl = (out, out) if shared is None else (shared[0].contiguous(), shared[2].float().contiguous())
+        we, wn, ce, cn = d.strides()
         _down_combine_kernel[(T, triton.cdiv(N, cfg["BLOCK_N"]))](
-            h.contiguous(), down, idx.contiguous(), top_w.float().contiguous(), hs, ws, sl, out,
-            N, K, hs.shape[-1], down.stride(0), down.stride(1), ws.stride(0), TOP_K=top_k,
-            TOP_K_P=triton.next_power_of_2(top_k), SHARED=shared is not None, **cfg, **pdl(h.device))
+            h.contiguous(), d.weight, d.scale, d.rows, idx.contiguous(), top_w.float().contiguous(), hs,
+            ds.weight, ds.scale, ds.rows, sl, out, N, K, hs.shape[-1], we, wn, ce, cn, d.rows_stride(),
+            ds.weight.stride(-2), ds.scale.stride(-2), TOP_K=top_k, TOP_K_P=triton.next_power_of_2(top_k),
+            SHARED=shared is not None, FORMAT=d.format, **cfg, **pdl(h.device))
     return out
 
 
@@ -328,16 +353,23 @@ def shared_expert_reference(x: torch.Tensor, shared: SharedExpert) -> torch.Tens
     return torch.sigmoid(F.linear(x, shared.gate)) * F.linear(h, dense(shared.down_proj, x.dtype))
 
 
-def moe_gemv(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+def moe_gemv(x: torch.Tensor, router_weight: torch.Tensor, gate_up: Weight, down: Weight, top_k: int,
              norm_topk_prob: bool, shared: SharedExpert | None = None) -> torch.Tensor:
     """Same contract as ``Backend.moe`` (softmax router, top-k SwiGLU experts, optional shared
-    expert) at decode sizes: the router GEMM (``decode_linear``) and three launches (route + shared
-    gate, routed and shared SwiGLU, down projections + combine)."""
+    expert) at decode sizes, the experts in x's dtype or quantized: the router GEMM
+    (``decode_linear``) and three launches (route + shared gate, routed and shared SwiGLU, down
+    projections + combine). A shared expert in another format than the routed experts' runs
+    through the linears instead."""
     r = route_topk(decode_linear(x, router_weight), top_k, norm_topk_prob, x, None if shared is None else shared.gate)
     inter = down.shape[-1]
-    gate, up, idx = gate_up[:, :inter], gate_up[:, inter:], r.experts.view(-1)
-    if shared is None:
-        return down_combine(swiglu_gemv(x, gate, up, idx, top_k), down, r.experts, r.weights, top_k)
+    rows = (lambda w, s: w.rows(s)) if isinstance(gate_up, QuantWeight) else (lambda w, s: w[:, s])  # noqa: E731
+    gate, up, idx = rows(gate_up, slice(0, inter)), rows(gate_up, slice(inter, None)), r.experts.view(-1)
+    if shared is None or not shared_fits(gate_up, shared.gate_proj, shared.up_proj, shared.down_proj):
+        out = down_combine(swiglu_gemv(x, gate, up, idx, top_k), down, r.experts, r.weights, top_k)
+        if shared is None:
+            return out
+        hs = F.silu(decode_linear(x, shared.gate_proj)) * decode_linear(x, shared.up_proj)
+        return out + torch.sigmoid(r.shared_logit.to(x.dtype))[:, None] * decode_linear(hs, shared.down_proj)
     h, hs = swiglu_gemv_with_shared(x, gate, up, idx, top_k, shared.gate_proj, shared.up_proj)
     return down_combine(h, down, r.experts, r.weights, top_k, shared=(hs, shared.down_proj, r.shared_logit))
 

@@ -381,13 +381,7 @@ class TritonBackend(TorchBackend):
     def linear(self, x, weight, bias=None):
         from wmtp.kernels.linear import decode_linear
 
-        if isinstance(weight, QuantWeight):
-            from wmtp.kernels.quant_linear import MAX_ROWS, quant_linear
-
-            if x.numel() // x.shape[-1] <= MAX_ROWS and x.dtype != torch.float64:
-                return quant_linear(x, weight, bias)
-            return super().linear(x, weight, bias)  # prefill-sized: dequantized, then one GEMM
-        return decode_linear(x, weight, bias)
+        return decode_linear(x, weight, bias)  # quantized: in-register dequantization, or dequantized for a GEMM
 
     def argmax(self, logits, out=None):
         if logits.dtype == torch.float64:
@@ -439,11 +433,7 @@ class TritonBackend(TorchBackend):
 
         if x.dtype == torch.float64:
             return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
-        if isinstance(gate_up, QuantWeight):
-            from wmtp.kernels.quant_moe import quant_moe_gemv
-
-            if x.shape[0] * top_k <= MAX_GEMV_PAIRS:
-                return quant_moe_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
+        if isinstance(gate_up, QuantWeight) and x.shape[0] * top_k > MAX_GEMV_PAIRS:
             if grouped_mm_supported(x):  # prefill: the experts dequantized once, then the grouped GEMMs
                 return routed_experts_grouped(x, router_weight, gate_up.dequantize(x.dtype), down.dequantize(x.dtype),
                                               top_k, norm_topk_prob, shared)

@@ -1,0 +1,176 @@
+"""Weight tiles of the decode kernels (``linear``, ``moe``) in any of the model's weight formats: read
+in the stored form and dequantized in registers (DESIGN §9: at decode sizes a projection is a weight
+read, and 4 or 8 bits a weight read a quarter or half the bytes of bf16).
+
+A kernel takes a weight as ``KernelWeight`` (``kernel_weight``): a FORMAT code and three tensors:
+- ``FLOAT`` (0): the weight itself (scale tensors unused);
+- ``NVFP4`` (1): packed e2m1 bytes [.., N, K/2] (input 2j in the low nibble, 2j + 1 in the high),
+  fp8-e4m3 scales per 16 inputs [.., N, K/16], and the per-row fp32 second level [.., N];
+- ``FP8`` (2): fp8-e4m3 weights [.., N, K] and fp32 scales per row and 128 inputs [.., N, K/128].
+
+``weight_dot`` is one K step of ``W[rows] @ x`` for rows of any shape; the NVFP4 tile is loaded as
+[rows, groups, 8] bytes (each group's 8 bytes contiguous: one vector load, its scale once), the
+even and odd inputs of x beside it, and the group scale multiplies the group's sum; the second level
+(``row_scale``) multiplies the row's total once. e2m1 codes decode by bit placement (as fp16 bits,
+times 2^14), not by a table or exp2.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from wmtp.quant import FP8Block, NVFP4, QuantWeight
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+FLOAT, NVFP4_CODE, FP8_CODE = 0, 1, 2
+
+
+class KernelWeight(NamedTuple):
+    """A weight as the kernels take it (module docstring): ``format`` code, the stored weight, its
+    group scales and per-row scales (the weight again where the format has none), and K."""
+
+    format: int
+    weight: torch.Tensor
+    scale: torch.Tensor
+    rows: torch.Tensor
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.weight.shape[:-1], self.k)
+
+    def strides(self) -> tuple[int, int, int, int]:
+        """(weight, scale) strides of the last two dims but one: the row stride of each, and of a
+        leading (expert) dim when there is one (else 0)."""
+        lead = (lambda t: t.stride(0) if t.dim() == 3 else 0)
+        return lead(self.weight), self.weight.stride(-2), lead(self.scale), self.scale.stride(-2)
+
+    def rows_stride(self) -> int:
+        """The per-row scales' leading (expert) stride (their rows are unit-strided)."""
+        return self.rows.stride(0) if self.rows.dim() == 2 else 0
+
+
+def kernel_weight(name: str, w: torch.Tensor | QuantWeight) -> KernelWeight:
+    """``w`` as the kernels take it; an error naming ``name`` where no kernel reads its format or
+    its rows are not unit-strided."""
+    if isinstance(w, QuantWeight):
+        t = w.tensors
+        if isinstance(w.format, NVFP4):
+            kw = KernelWeight(NVFP4_CODE, t["weight"], t["weight_scale"], t["weight_scale_2"], w.in_features)
+        elif isinstance(w.format, FP8Block) and w.format.block[1] == 128:
+            kw = KernelWeight(FP8_CODE, t["weight"], t["weight_scale_inv"], t["weight_scale_inv"], w.in_features)
+        else:
+            raise ValueError(f"{name}: no kernel reads {w.format.name} weights with blocks {getattr(w.format, 'block', None)}")
+        if kw.rows.stride(-1) != 1 or kw.scale.stride(-1) != 1:
+            raise ValueError(f"{name}: the {w.format.name} scales' rows must be unit-strided")
+    else:
+        kw = KernelWeight(FLOAT, w, w, w, w.shape[-1])
+    if kw.weight.stride(-1) != 1:
+        raise ValueError(f"{name}: weight {tuple(kw.shape)} must have unit stride on K")
+    return kw
+
+
+def same_layout(a: KernelWeight, b: KernelWeight) -> bool:
+    """Whether one kernel argument set (format, dtypes, strides) can stand for both ``a`` and ``b``."""
+    return (a.format == b.format and a.weight.dtype == b.weight.dtype and a.shape == b.shape
+            and a.strides() == b.strides() and a.rows_stride() == b.rows_stride())
+
+
+if triton is not None:
+
+    @triton.jit
+    def e2m1_values(codes):
+        """e2m1 codes (uint8, 0..15; bit 3 the sign) -> fp32 values: the magnitude bits e e m placed
+        as an fp16's lowest exponent bits and first mantissa bit give 2^(e-15)(1 + m/2), or the
+        subnormal m 2^-15 for e = 0, which is the value times 2^-14."""
+        c = codes.to(tl.uint16)
+        bits = ((c & 7) << 9) | ((c & 8) << 12)
+        return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+    @triton.jit
+    def weight_dot(W, S, X, w_rows, s_rows, x_off, row_ok, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+        """fp32 ``sum_k weight[row, k] * X[x_off + k]`` over ``k`` in ``[k0, k0 + BLOCK_K)`` (and < K)
+        for every row: ``w_rows`` / ``s_rows`` the rows' offsets into W / S (any shape), ``x_off``
+        broadcastable to it (offsets of valid rows of X only). Group scales applied, not NVFP4's
+        per-row second level (``row_scale``). FP8: BLOCK_K divides 128."""
+        ok = tl.expand_dims(row_ok, -1)
+        if FORMAT == 1:
+            G: tl.constexpr = BLOCK_K // 16
+            g = tl.arange(0, G)
+            kb = k0 // 2 + g[:, None] * 8 + tl.arange(0, 8)[None, :]  # [G, 8] bytes: inputs 2kb, 2kb + 1
+            kb_ok = kb < K // 2
+            b = tl.load(W + tl.expand_dims(tl.expand_dims(w_rows, -1), -1) + kb, mask=tl.expand_dims(ok, -1) & kb_ok,
+                        other=0)
+            xp = X + tl.expand_dims(tl.expand_dims(x_off, -1), -1) + 2 * kb
+            xe = tl.load(xp, mask=kb_ok, other=0.0).to(tl.float32)
+            xo = tl.load(xp + 1, mask=kb_ok, other=0.0).to(tl.float32)
+            part = tl.sum(e2m1_values(b & 15) * xe + e2m1_values(b >> 4) * xo, -1)
+            gs = k0 // 16 + g
+            sc = tl.load(S + tl.expand_dims(s_rows, -1) + gs, mask=ok & (gs < K // 16), other=0.0)
+            return tl.sum(part * sc.to(tl.float32), -1)
+        else:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            w = tl.load(W + tl.expand_dims(w_rows, -1) + ks, mask=ok & k_ok, other=0.0).to(tl.float32)
+            xv = tl.load(X + tl.expand_dims(x_off, -1) + ks, mask=k_ok, other=0.0).to(tl.float32)
+            acc = tl.sum(w * xv, -1)
+            if FORMAT == 2:
+                acc = acc * tl.load(S + s_rows + k0 // 128, mask=row_ok, other=0.0)
+            return acc
+
+    @triton.jit
+    def row_scale(R, r_rows, row_ok, FORMAT: tl.constexpr):
+        """The per-row factor of a row's sum: NVFP4's second-level scale at ``R + r_rows``, else 1."""
+        if FORMAT == 1:
+            return tl.load(R + r_rows, mask=row_ok, other=0.0)
+        else:
+            return tl.full(r_rows.shape, 1.0, tl.float32)
+
+    @triton.jit
+    def weight_tile_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, k0, K, acc,
+                        FORMAT: tl.constexpr, WIDEN: tl.constexpr, PREC: tl.constexpr, BLOCK_K: tl.constexpr):
+        """``acc + X[ts, k0:k0+BLOCK_K] @ weight[cols, k0:k0+BLOCK_K].T`` by tensor-core dots (rows of X
+        padded to the dot's 16): the weight tile dequantized to X's dtype first, where it is exact
+        (an NVFP4 value times its fp8 scale has at most 7 significant bits, an fp8 value 4); FP8's
+        block scale (BLOCK_K divides 128) multiplies the step's dot. NVFP4's second level: not here."""
+        BN: tl.constexpr = cols.shape[0]
+        if FORMAT == 1:
+            G: tl.constexpr = BLOCK_K // 16
+            g = tl.arange(0, G)
+            kb = k0 // 2 + g[:, None] * 8 + tl.arange(0, 8)[None, :]
+            kb_ok = kb < K // 2
+            b = tl.load(W + cols[:, None, None] * stride_wn + kb, mask=col_ok[:, None, None] & kb_ok, other=0)
+            gs = k0 // 16 + g
+            sc = tl.load(S + cols[:, None] * stride_sn + gs[None, :], mask=col_ok[:, None] & (gs < K // 16)[None, :],
+                         other=0.0).to(tl.float32)[:, :, None]
+            h = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            x_ok = t_ok[:, None] & (h < K // 2)[None, :]
+            xe = tl.load(X + ts[:, None] * stride_xt + 2 * h[None, :], mask=x_ok, other=0.0)
+            xo = tl.load(X + ts[:, None] * stride_xt + 2 * h[None, :] + 1, mask=x_ok, other=0.0)
+            lo = tl.reshape(e2m1_values(b & 15) * sc, (BN, BLOCK_K // 2))
+            hi = tl.reshape(e2m1_values(b >> 4) * sc, (BN, BLOCK_K // 2))
+            if WIDEN:
+                xe = xe.to(tl.float32)
+                xo = xo.to(tl.float32)
+            acc = tl.dot(xe, tl.trans(lo.to(xe.dtype)), acc, input_precision=PREC)
+            return tl.dot(xo, tl.trans(hi.to(xo.dtype)), acc, input_precision=PREC)
+        else:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            xv = tl.load(X + ts[:, None] * stride_xt + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            wv = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if WIDEN:
+                xv = xv.to(tl.float32)
+                wv = wv.to(tl.float32)
+            if FORMAT == 2:
+                sc = tl.load(S + cols * stride_sn + k0 // 128, mask=col_ok, other=0.0)
+                return acc + tl.dot(xv, tl.trans(wv.to(xv.dtype)), input_precision=PREC) * sc[None, :]
+            else:
+                return tl.dot(xv, tl.trans(wv), acc, input_precision=PREC)
