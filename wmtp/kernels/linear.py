@@ -33,8 +33,8 @@ except ImportError:  # pragma: no cover
     triton = None
 
 MAX_ROWS = 16  # token rows one launch takes (a dot's minimum M)
-# quantized weights: up to a batched verify's rows (dequantizing the weight for a GEMM instead reads
-# and writes it in bf16 every call)
+# quantized weights: up to a batched verify's rows, in launches of MAX_ROWS (dequantizing the weight
+# for a GEMM instead reads and writes it in bf16 every call)
 QUANT_MAX_ROWS = 64
 
 
@@ -122,13 +122,15 @@ def linear_tiles(rows: int, n: int, k: int) -> LinearTiles | None:
 
 
 def quant_tiles(rows: int, n: int, k: int, fmt: int) -> LinearTiles:
-    """Tiles for a quantized [n, k] weight (no cuBLAS alternative short of dequantizing it): 32-wide
-    column blocks, a K step of 256 NVFP4 inputs (128 bytes a row) or 128 FP8 inputs (one scale
-    block), and K splits until the launch has two programs per SM of an H200 (264)."""
-    block_k = 256 if fmt == NVFP4_CODE else 128
-    blocks = -(-n // 32)
-    splits = max(1, min(-(-264 // blocks), k // block_k, 8))
-    return LinearTiles(32, block_k, splits, 4)
+    """Tiles for a quantized [n, k] weight (no cuBLAS alternative short of dequantizing it): K steps
+    of 128 inputs, 64-wide column blocks (32 up to 1024 outputs) and as many K splits (8, 4, 2) as
+    keep the launch within 1200 programs. Best on the H200 for NVFP4 at 1 row of the sweep
+    (tune_linear.py --quantize): 12.4 us for 2048 x 4096, 21.3 for 9216 x 2048, 24.8 for 12352 x
+    2048 (4 splits), 4.7 for 512 x 2048, against 17.6 / 38.7 / 38.4 / 4.7 at 32 x 256 tiles."""
+    block_n = 32 if n <= 1024 else 64
+    blocks = -(-n // block_n)
+    splits = next(s for s in (8, 4, 2, 1) if s == 1 or blocks * s <= 1200)
+    return LinearTiles(block_n, 128, max(1, min(splits, k // 128)), 4)
 
 
 def dot_flags(dtype: torch.dtype) -> dict[str, object]:
@@ -180,13 +182,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
         k_split = triton.cdiv(triton.cdiv(K, cfg.splits), bk) * bk  # a multiple of the K step
         splits = triton.cdiv(K, k_split)
         blocks = triton.cdiv(N, cfg.block_n)
-        part = torch.empty(splits, T, N, device=x.device, dtype=torch.float32) if splits > 1 else out
-        _skinny_linear_kernel[(blocks, splits)](
-            x2, kw.weight, kw.scale, kw.rows, out if bias is None else bias, out, part,
-            arrival_counters(x.device, blocks), T, N, K, x2.stride(0), kw.weight.stride(0), kw.scale.stride(0),
-            out.stride(0), k_split, FORMAT=kw.format, HAS_BIAS=bias is not None, SPLITS=splits,
-            T_P=max(MAX_ROWS, triton.next_power_of_2(T)), BLOCK_N=cfg.block_n, BLOCK_K=bk, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **dot_flags(x.dtype), **pdl(x.device))
+        # launches of at most MAX_ROWS rows: a 64-row NVFP4 tile gave wrong bf16 results on the H200
+        # (Triton 3.6; the 16-row dot is what the kernel is verified with), so more rows re-read the weight
+        for lo in range(0, T, MAX_ROWS):
+            xs, outs, t = x2[lo:lo + MAX_ROWS], out[lo:lo + MAX_ROWS], min(MAX_ROWS, T - lo)
+            part = torch.empty(splits, t, N, device=x.device, dtype=torch.float32) if splits > 1 else outs
+            _skinny_linear_kernel[(blocks, splits)](
+                xs, kw.weight, kw.scale, kw.rows, outs if bias is None else bias, outs, part,
+                arrival_counters(x.device, blocks), t, N, K, xs.stride(0), kw.weight.stride(0), kw.scale.stride(0),
+                outs.stride(0), k_split, FORMAT=kw.format, HAS_BIAS=bias is not None, SPLITS=splits, T_P=MAX_ROWS,
+                BLOCK_N=cfg.block_n, BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **dot_flags(x.dtype), **pdl(x.device))
     return out.view(*x.shape[:-1], N)
 
 

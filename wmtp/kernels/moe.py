@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from wmtp.kernels.common import SharedExpert, launch_tile, pdl
 from wmtp.kernels.linear import decode_linear
-from wmtp.kernels.quant_tiles import FP8_CODE, KernelWeight, kernel_weight, same_layout
+from wmtp.kernels.quant_tiles import FLOAT, FP8_CODE, KernelWeight, kernel_weight, same_layout
 from wmtp.quant import QuantWeight, dense
 
 try:
@@ -285,8 +285,11 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
     if P + Ts:
         # 8 warps; 8 x 256 tiles for a token's 8 pairs, 16 x 128 for a verify's 56: best on the H200
         # for the 35B shape with the shared rows folded in (9.8 / 52.7 us; benchmarks/tune_moe.py)
-        tile = (16, 128) if P + Ts >= 32 else (8, 256)
-        cfg = {"BLOCK_N": launch_tile(tile[0], max(N, Ns)), "BLOCK_K": _block_k(g, tile[1], K), "num_warps": 8,
+        # quantized: 16 x 256 (8 warps) for a token, 16 x 128 (4 warps) for a verify's, best on the
+        # H200 for NVFP4 (19.6 / 77.8 us against 19.6 / 133.0 at the bf16 tiles; tune_moe.py --quantize)
+        big = P + Ts >= 32
+        tile, warps = ((16, 128) if big else (8, 256), 8) if g.format == FLOAT else ((16, 128), 4) if big else ((16, 256), 8)
+        cfg = {"BLOCK_N": launch_tile(tile[0], max(N, Ns)), "BLOCK_K": _block_k(g, tile[1], K), "num_warps": warps,
                **launch}
         we, wn, ce, cn = g.strides()
         _swiglu_gemv_kernel[(P + Ts, triton.cdiv(max(N, Ns), cfg["BLOCK_N"]))](
@@ -325,7 +328,10 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
         # the [top_k, BLOCK_N, BLOCK_K] weight tile is held in registers: 8 x 8 x 128 at 8 warps is 32
         # values a thread for top_k 8; best on the H200 at 1 and 7 tokens (5.1 / 31.0 us, vs 9.2 / 40.2
         # at 4 warps; benchmarks/tune_moe.py)
-        cfg = {"BLOCK_N": launch_tile(8, N), "BLOCK_K": _block_k(d, 128, K), "num_warps": 8, **launch}
+        # quantized: 4 x 256 (8 warps at 1 token, 4 at 7): 12.7 / 63.3 us against 28.7 / 179.4 at
+        # the bf16 tiles for NVFP4 (tune_moe.py --quantize)
+        tile, warps = ((8, 128), 8) if d.format == FLOAT else ((4, 256), 8 if T == 1 else 4)
+        cfg = {"BLOCK_N": launch_tile(tile[0], N), "BLOCK_K": _block_k(d, tile[1], K), "num_warps": warps, **launch}
         hs, sl = (out, out) if shared is None else (shared[0].contiguous(), shared[2].float().contiguous())
         we, wn, ce, cn = d.strides()
         _down_combine_kernel[(T, triton.cdiv(N, cfg["BLOCK_N"]))](
