@@ -66,3 +66,24 @@ def test_quant_linear_bad_input_names_the_problem():
     with pytest.raises(ValueError, match="FP8 block_k 48 must divide"):
         skinny_linear(torch.zeros(2, 32, device=DEVICE), _weight(FP8Block(), [8], 32, seed=0),
                       tiles=LinearTiles(16, 48, 1, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("fmt", [NVFP4(), FP8Block()], ids=["nvfp4", "fp8"])
+def test_dequantize_kernel_equals_the_twin_to_the_bit(fmt, dtype):
+    """The prefill path's one-pass dequantization against ``QuantWeight.dequantize``: experts
+    [E, N, K] (K over several tiles, the last partial), a packed projection's rows, odd row counts.
+    (The CPU interpreter's casts to bf16 truncate: there, within one bf16 step.)"""
+    import os
+
+    from wmtp.kernels.quant_tiles import dequantize
+
+    exact = dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") != "1"
+
+    k = 576 if isinstance(fmt, NVFP4) else 600
+    g = torch.Generator().manual_seed(0)
+    experts = QuantWeight(fmt, {s: v.to(DEVICE) for s, v in fmt.to_model(
+        fmt.quantize(torch.randn(3, 12, k, generator=g)), 12).items()}, k)
+    for w in (experts, experts[1], _weight(fmt, [5, 8], k, seed=3).rows(slice(5, 13)), _weight(fmt, [7], k, seed=4)):
+        got, want = dequantize(w, dtype), w.dequantize(dtype)
+        assert torch.equal(got, want) if exact else torch.allclose(got.float(), want.float(), rtol=2**-7, atol=0)

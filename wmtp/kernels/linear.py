@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from wmtp.kernels.common import arrival_counters, launch_tile, pdl
-from wmtp.kernels.quant_tiles import FP8_CODE, NVFP4_CODE, kernel_weight
+from wmtp.kernels.quant_tiles import FP8_CODE, NVFP4_CODE, dequantize, kernel_weight
 from wmtp.quant import QuantWeight
 
 try:
@@ -204,7 +204,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
     if isinstance(weight, QuantWeight):
         if rows <= QUANT_MAX_ROWS and x.dtype != torch.float64:
             return skinny_linear(x, weight, bias)
-        return F.linear(x, weight.dequantize(x.dtype), bias)
+        return F.linear(x, dequantize(weight, x.dtype), bias)
     tiles = linear_tiles(rows, weight.shape[0], weight.shape[1])
     if tiles is None or x.dtype == torch.float64 or weight.dtype != x.dtype or weight.stride(-1) != 1:
         return F.linear(x, weight, bias)

@@ -174,3 +174,38 @@ if triton is not None:
                 return acc + tl.dot(xv, tl.trans(wv.to(xv.dtype)), input_precision=PREC) * sc[None, :]
             else:
                 return tl.dot(xv, tl.trans(wv), acc, input_precision=PREC)
+
+    @triton.jit
+    def _dequantize_kernel(W, S, R, OUT, K, stride_w, stride_s, FORMAT: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+        """OUT[r, k] = value(r, k) * group scale (* NVFP4's row scale), in the twin's order and dtype."""
+        rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        m = (ks < K)[None, :]
+        if FORMAT == 1:
+            b = tl.load(W + rows[:, None] * stride_w + ks[None, :] // 2, mask=m, other=0)
+            v = e2m1_values(tl.where(ks[None, :] % 2 == 0, b & 15, b >> 4))
+            v = v * tl.load(S + rows[:, None] * stride_s + ks[None, :] // 16, mask=m, other=0.0).to(tl.float32)
+            v = v * tl.load(R + rows)[:, None]
+        else:
+            v = tl.load(W + rows[:, None] * stride_w + ks[None, :], mask=m, other=0.0).to(tl.float32)
+            v = v * tl.load(S + rows[:, None] * stride_s + ks[None, :] // 128, mask=m, other=0.0)
+        tl.store(OUT + rows[:, None] * K + ks[None, :], v.to(OUT.dtype.element_ty), mask=m)
+
+
+def dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """``w.dequantize(dtype)`` (its twin, equal to the bit) in one pass: the packed bytes and scales
+    read once, the [.., N, K] weight written once. What prefill-sized GEMMs over quantized weights
+    read; the PyTorch twin's unpack / table / repeat_interleave temporaries are fp32 and int64 tensors
+    several times the weight's bytes."""
+    kw = kernel_weight("dequantize", w)
+    lead = kw.weight.shape[:-1]
+    rows = kw.weight.numel() // kw.weight.shape[-1]
+    flat = {n: t.reshape(rows, -1) for n, t in (("w", kw.weight), ("s", kw.scale))}
+    out = torch.empty(*lead, kw.k, device=kw.weight.device, dtype=dtype)
+    if rows and kw.k:
+        block_r = 4 if rows % 4 == 0 else 1  # rows divide the tile: no row mask
+        _dequantize_kernel[(rows // block_r, triton.cdiv(kw.k, 512))](
+            flat["w"], flat["s"], kw.rows.reshape(rows), out, kw.k, flat["w"].stride(0), flat["s"].stride(0),
+            FORMAT=kw.format, BLOCK_R=block_r, BLOCK_K=512)
+    return out

@@ -435,7 +435,9 @@ class TritonBackend(TorchBackend):
             return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
         if isinstance(gate_up, QuantWeight) and x.shape[0] * top_k > MAX_GEMV_PAIRS:
             if grouped_mm_supported(x):  # prefill: the experts dequantized once, then the grouped GEMMs
-                return routed_experts_grouped(x, router_weight, gate_up.dequantize(x.dtype), down.dequantize(x.dtype),
+                from wmtp.kernels.quant_tiles import dequantize
+
+                return routed_experts_grouped(x, router_weight, dequantize(gate_up, x.dtype), dequantize(down, x.dtype),
                                               top_k, norm_topk_prob, shared)
             return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
         if x.shape[0] * top_k <= MAX_GEMV_PAIRS:
