@@ -228,6 +228,11 @@ def revision() -> str:
         return "unknown"
 
 
+def weights(model) -> str:
+    """The format the model's linears and experts hold: nvfp4 / fp8, or its float dtype."""
+    return model.quant.format.name if model.quant is not None else str(next(model.parameters()).dtype).split(".")[-1]
+
+
 def _meta(a: argparse.Namespace, synthetic: bool, runs: int = 1) -> dict:
     argv = getattr(a, "argv", None) or sys.argv[1:]  # cli.main records its argv (tests call it in-process)
     return {
@@ -258,7 +263,8 @@ def run_step(a: argparse.Namespace) -> int:
         print(f"native / windowed T_iter = {summary['native_over_windowed']:.3f} "
               f"(synchronised {summary['native_over_windowed_sync']:.3f})", flush=True)
     result = {"kind": "step" if rows else "kernels", "schema": 1,
-              "meta": {**_meta(a, True), "bandwidth": bw, "backend": a.backend, "decode_graphs": a.decode_graphs,
+              "meta": {**_meta(a, True), "weights": weights(model), "bandwidth": bw, "backend": a.backend,
+                       "decode_graphs": a.decode_graphs,
                        "forced_accept": a.accept,
                        "t_iter": "overlapped (engine default): interval between consecutive iterations' results; "
                                  "t_iter_sync: each step GPU-synchronised before and after"},
@@ -309,7 +315,8 @@ def run_ttft(a: argparse.Namespace) -> int:
     from wmtp.kernels.gdn import fla_available
 
     gdn = "flash-linear-attention chunked" if fla_available(torch.device("cuda")) else "PyTorch reference"
-    result = {"kind": "ttft", "schema": 1, "meta": {**_meta(a, False), "backend": a.backend, "gdn_prefill": gdn}, "rows": rows}
+    result = {"kind": "ttft", "schema": 1, "meta": {**_meta(a, False), "weights": weights(model), "backend": a.backend,
+                                                    "gdn_prefill": gdn}, "rows": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {a.out}")
