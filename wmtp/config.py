@@ -16,8 +16,10 @@ from typing import Any, Literal
 
 from wmtp.errors import ConfigError
 
-# model_type -> family. "hybrid" = Gated DeltaNet + gated attention + MoE; "dense" = Llama-style.
+# model_type -> family. "hybrid" = Gated DeltaNet + gated attention + MoE; "dense" = Llama-style;
+# "mamba_hybrid" = Nemotron-H: one mixer per block (Mamba2, NoPE attention, ReLU² MLP or latent MoE).
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
+    "nemotron_h": "mamba_hybrid",
     "qwen3_next": "hybrid",
     "qwen3_5_moe": "hybrid",
     "qwen3_5_moe_text": "hybrid",
@@ -25,13 +27,42 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "qwen3": "dense",
 }
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "NemotronHForCausalLM": "nemotron_h",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
     "LlamaForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
 }
-LayerType = Literal["full_attention", "linear_attention"]
+LayerType = Literal["full_attention", "linear_attention", "mamba", "mlp", "moe"]
+# Nemotron-H block types: transformers 5's names, its legacy ones and the pattern string's letters
+NEMOTRON_BLOCKS = {"linear_attention": "mamba", "mamba": "mamba", "M": "mamba", "full_attention": "full_attention",
+                   "attention": "full_attention", "*": "full_attention", "mlp": "mlp", "-": "mlp", "moe": "moe",
+                   "E": "moe"}
+
+
+@dataclass(frozen=True)
+class Mamba2Shape:
+    """A Nemotron-H Mamba2 mixer: ``heads`` x ``head_dim`` channels sharing B / C of ``groups``
+    groups of ``state``; the conv over ``x | B | C`` (kernel ``conv_kernel``, with a bias if
+    ``conv_bias``); prefill in chunks of ``chunk``; dt clamped to ``dt_limit``."""
+
+    heads: int
+    head_dim: int
+    state: int
+    groups: int
+    conv_kernel: int
+    chunk: int
+    dt_limit: tuple[float, float]
+    conv_bias: bool
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner + 2 * self.groups * self.state
 
 
 @dataclass
@@ -67,8 +98,16 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
-    # MTP head
+    # Nemotron-H: the Mamba2 mixers; the routed experts' latent width (0: none); sigmoid routing with
+    # a score-correction bias over n_group groups (topk_group kept), weights times the scaling factor
+    mamba: Mamba2Shape | None = None
+    moe_latent_size: int = 0
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    # MTP head (Nemotron-H: the block types of its layers)
     num_nextn_predict_layers: int = 0
+    mtp_layer_types: list[str] = field(default_factory=list)
     # misc
     torch_dtype: str = "bfloat16"
     bos_token_id: int | None = None
@@ -92,7 +131,7 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.model_type != "llama"
+        return self.model_type not in ("llama", "nemotron_h")
 
     @property
     def norm_offset(self) -> bool:
@@ -223,6 +262,8 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
 
     model_type, text = _text_config(raw)
     family = SUPPORTED_MODEL_TYPES[model_type]
+    if family == "mamba_hybrid":
+        return _parse_nemotron_h(raw, text)
     req = lambda k: _require(text, k, model_type)  # noqa: E731
     hidden = int(req("hidden_size"))
     n_heads = int(req("num_attention_heads"))
@@ -305,3 +346,77 @@ def _parse_hybrid(cfg: ModelConfig, text: dict[str, Any], model_type: str) -> No
         cfg.decoder_sparse_step = int(text.get("decoder_sparse_step", 1))
     if any(not cfg.layer_is_moe(i) for i in range(cfg.num_layers)) and cfg.intermediate_size <= 0:
         raise ConfigError("config.json field 'intermediate_size' is required: some layers use a dense MLP")
+
+
+def _blocks(value: Any, field_name: str) -> list[str]:
+    """Nemotron-H block types from a list of names or a pattern string (``M*-E``)."""
+    items = list(value) if not isinstance(value, str) else list(value)
+    bad = sorted({str(t) for t in items if t not in NEMOTRON_BLOCKS})
+    if bad or not items:
+        raise ConfigError(f"config.json field {field_name!r} has unsupported value(s) {bad or items}; "
+                          f"supported: {sorted(NEMOTRON_BLOCKS)}")
+    return [NEMOTRON_BLOCKS[t] for t in items]
+
+
+def _parse_nemotron_h(raw: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
+    """Nemotron-H as transformers 5.17 reads it: blocks from ``layers_block_type`` (or the legacy
+    ``hybrid_override_pattern``; ``num_hidden_layers`` is ignored as there), the Mamba2 fields under
+    their current or ``mamba_*`` names, NoPE attention, ReLU² MLPs, sigmoid-routed latent MoE. dt is
+    clamped to [time_step_min, inf), as transformers' mixer does whatever ``time_step_limit`` says."""
+    mt = "nemotron_h"
+    req = lambda k: _require(text, k, mt)  # noqa: E731
+    get = lambda k, legacy, default: text.get(legacy, text.get(k, default))  # noqa: E731 (the legacy name wins, as in transformers)
+    if "layers_block_type" in text and text["layers_block_type"] is not None:
+        blocks = _blocks(text["layers_block_type"], "layers_block_type")
+    else:
+        blocks = _blocks(req("hybrid_override_pattern"), "hybrid_override_pattern")
+    for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if text.get(key, want) != want:
+            raise ConfigError(f"config.json field {key!r}={text[key]!r} is not supported; supported: [{want!r}]")
+    for key in ("mlp_bias", "attention_bias", "use_bias", "mamba_proj_bias"):
+        if text.get(key):
+            raise ConfigError(f"config.json field {key!r}=true is not supported; supported: [false]")
+    hidden, n_heads = int(req("hidden_size")), int(req("num_attention_heads"))
+    mamba = Mamba2Shape(heads=int(req("mamba_num_heads")), head_dim=int(req("mamba_head_dim")),
+                        state=int(req("ssm_state_size")), groups=int(get("n_groups", "mamba_n_groups", 8)),
+                        conv_kernel=int(get("conv_kernel", "mamba_d_conv", 4)),
+                        chunk=int(get("chunk_size", "mamba_chunk_size", 128)),
+                        dt_limit=(float(get("time_step_min", "mamba_dt_min", 0.001)), float("inf")),
+                        conv_bias=bool(get("use_conv_bias", "mamba_conv_bias", True)))
+    if mamba.heads % mamba.groups:
+        raise ConfigError(f"config.json: mamba_num_heads={mamba.heads} is not a multiple of n_groups={mamba.groups}")
+    n_mtp = int(text.get("num_nextn_predict_layers") or 0)
+    mtp_blocks = text.get("mtp_layers_block_type") or text.get("mtp_hybrid_override_pattern") or ["full_attention", "moe"]
+    cfg = ModelConfig(
+        model_type=mt, vocab_size=int(req("vocab_size")), hidden_size=hidden, num_layers=len(blocks),
+        num_heads=n_heads, num_kv_heads=int(text.get("num_key_value_heads") or n_heads),
+        head_dim=int(text.get("head_dim") or hidden // n_heads), layer_types=blocks, rope={"rope_type": "none"},
+        max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(text.get("layer_norm_epsilon", 1e-5)),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+        intermediate_size=int(text.get("intermediate_size") or 0),
+        torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or "bfloat16"),
+        bos_token_id=text.get("bos_token_id"), eos_token_id=text.get("eos_token_id"),
+        mamba=mamba, num_nextn_predict_layers=n_mtp, mtp_layer_types=_blocks(mtp_blocks, "mtp_layers_block_type"),
+        raw=raw,
+    )
+    if "moe" in blocks + (cfg.mtp_layer_types if n_mtp else []):
+        cfg.num_experts = int(req("n_routed_experts"))
+        cfg.num_experts_per_tok = int(req("num_experts_per_tok"))
+        cfg.moe_intermediate_size = int(req("moe_intermediate_size"))
+        cfg.shared_expert_intermediate_size = int(text.get("moe_shared_expert_intermediate_size") or 0)
+        cfg.moe_latent_size = int(text.get("moe_latent_size") or 0)
+        cfg.routed_scaling_factor = float(text.get("routed_scaling_factor", 1.0))
+        cfg.n_group, cfg.topk_group = int(text.get("n_group", 1)), int(text.get("topk_group", 1))
+        cfg.norm_topk_prob = bool(text.get("norm_topk_prob", True))
+        if not 1 <= cfg.num_experts_per_tok <= cfg.num_experts or cfg.num_experts % cfg.n_group:
+            raise ConfigError(f"config.json: num_experts_per_tok={cfg.num_experts_per_tok} must be in [1, "
+                              f"n_routed_experts={cfg.num_experts}], which n_group={cfg.n_group} must divide")
+        if int(text.get("n_shared_experts", 1)) != 1:
+            raise ConfigError(f"config.json field 'n_shared_experts'={text['n_shared_experts']!r}; supported: [1]")
+    if "mlp" in blocks and cfg.intermediate_size <= 0:
+        raise ConfigError("config.json field 'intermediate_size' is required: some blocks are MLPs")
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ConfigError(f"config.json: num_attention_heads={cfg.num_heads} is not a multiple of "
+                          f"num_key_value_heads={cfg.num_kv_heads}")
+    return cfg

@@ -77,6 +77,9 @@ class Engine:
     """Continuous batching over one model; ``step()`` advances every running request once."""
 
     def __init__(self, model: CausalLM, spec: SpecConfig, eng: EngineConfig) -> None:
+        if model.config.family == "mamba_hybrid":
+            raise WmtpError(f"{model.config.model_type}: the engine does not run this family yet (its Mamba2 state "
+                            "pools and speculative verify are not built); model.score runs it")
         if spec.speculative and model.mtp is None:
             raise WmtpError(f"mode {spec.mode!r} needs an MTP head; this model has none (use mode='dense')")
         self.model, self.spec, self.eng = model, spec, eng

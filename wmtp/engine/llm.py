@@ -56,7 +56,7 @@ class LLM:
         import wmtp
         from wmtp.models.backend import default_backend
 
-        if isinstance(model, CausalLM):
+        if isinstance(model, torch.nn.Module):  # a built model (CausalLM, or another family's)
             self.model, self.tokenizer = model, None
         else:
             backend = default_backend(device) if backend == "auto" else backend

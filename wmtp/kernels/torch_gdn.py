@@ -55,12 +55,14 @@ def causal_conv1d(
     x: Tensor,
     weight: Tensor,
     conv_state: Tensor | None = None,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Depthwise causal conv over time followed by SiLU, with carried left context.
+    """Depthwise causal conv over time (+ ``bias`` [C], Mamba2's) followed by SiLU, with carried
+    left context.
 
     Args:
         x: [T, C] inputs of this piece of the sequence, or [B, T, C] for B sequences at once.
-        weight: [C, K] depthwise kernel (``conv1d.weight.squeeze(1)``); no bias.
+        weight: [C, K] depthwise kernel (``conv1d.weight.squeeze(1)``).
         conv_state: [C, K-1] (or [B, C, K-1]) the last K-1 inputs seen before ``x`` (oldest
             first), or None for the start of a sequence (zeros).
 
@@ -91,7 +93,7 @@ def causal_conv1d(
     else:
         # Valid (unpadded) conv over the context gives exactly T outputs:
         # out[t, c] = sum_j weight[c, j] * ctx[c, t + j].
-        y = F.silu(F.conv1d(ctx.to(weight.dtype), weight.unsqueeze(1), groups=C)).transpose(1, 2).to(x.dtype)
+        y = F.silu(F.conv1d(ctx.to(weight.dtype), weight.unsqueeze(1), bias, groups=C)).transpose(1, 2).to(x.dtype)
     return (y, new_state) if batched else (y[0], new_state[0])
 
 

@@ -50,6 +50,15 @@ def lm_prefix(cfg: ModelConfig) -> str:
     return "model.language_model." if cfg.model_type == "qwen3_5_moe" else "model."
 
 
+def _model_class(cfg: ModelConfig) -> type:
+    """The model class of ``cfg``'s family (Nemotron-H's blocks are their own module)."""
+    if cfg.family == "mamba_hybrid":
+        from wmtp.models.nemotron_h import NemotronHCausalLM
+
+        return NemotronHCausalLM
+    return CausalLM
+
+
 def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype, backend: str = "torch",
                 quant: QuantConfig | None = None) -> CausalLM:
     """Allocate an uninitialised model directly on ``device`` in ``dtype`` (no CPU staging); with
@@ -59,7 +68,7 @@ def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = CausalLM(cfg, backend)
+            model = _model_class(cfg)(cfg, backend)
             if quant is not None:
                 _quantize_modules(model, quant)
         finally:
