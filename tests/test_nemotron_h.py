@@ -82,3 +82,49 @@ def test_the_engine_refuses_the_family_by_name(tmp_path):
     _, path = _checkpoint(tmp_path, "latent-moe")
     with pytest.raises(wmtp.errors.WmtpError, match="nemotron_h: the engine does not run this family yet"):
         wmtp.LLM(wmtp.load_model(str(path), dtype="float32"), spec=wmtp.SpecConfig(mode="dense"))
+
+
+def test_mtp_head_matches_transformers_blocks(tmp_path):
+    """The MTP step (``mtp.layers.0`` attention with the fusion, ``mtp.layers.1`` MoE with the final
+    norm) against the same computation from transformers' own NemotronH modules."""
+    from safetensors.torch import save_file
+    from transformers.models.nemotron_h import modeling_nemotron_h as m
+
+    ref, path = _checkpoint(tmp_path, "latent-moe")
+    hcfg = hf.NemotronHConfig(**BASE, **{**CASES["latent-moe"], "layers_block_type": ["full_attention", "moe"]})
+    hcfg._attn_implementation = "sdpa"
+    torch.manual_seed(3)
+    blocks = [m.NemotronHBlock(hcfg, 0).eval(), m.NemotronHBlock(hcfg, 1).eval()]
+    h = BASE["hidden_size"]
+    enorm, hnorm, final = (m.NemotronHRMSNorm(h, eps=1e-5) for _ in range(3))
+    eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+    g = torch.Generator().manual_seed(4)
+    tensors = {}
+    with torch.no_grad():
+        for prefix, mod in (("mtp.layers.0", blocks[0]), ("mtp.layers.1", blocks[1]), ("mtp.layers.0.enorm", enorm),
+                            ("mtp.layers.0.hnorm", hnorm), ("mtp.layers.1.final_layernorm", final),
+                            ("mtp.layers.0.eh_proj", eh_proj)):
+            for name, p in list(mod.named_parameters()) + list(mod.named_buffers()):  # (built outside a model:
+                base = 1.0 if name.endswith("norm.weight") or name == "weight" and p.dim() == 1 else 0.0  # uninitialised)
+                p.copy_(base + torch.randn(p.shape, generator=g) * (0.05 if base else 0.2))
+                key = f"{prefix}.{name}"
+                tensors[key] = p.detach().clone() if ".experts." not in key else None
+            if prefix == "mtp.layers.1":  # experts per expert, as checkpoints hold them
+                del tensors["mtp.layers.1.mixer.experts.up_proj"], tensors["mtp.layers.1.mixer.experts.down_proj"]
+                for e in range(BASE["n_routed_experts"]):
+                    tensors[f"{prefix}.mixer.experts.{e}.up_proj.weight"] = mod.mixer.experts.up_proj[e].clone()
+                    tensors[f"{prefix}.mixer.experts.{e}.down_proj.weight"] = mod.mixer.experts.down_proj[e].clone()
+    save_file({k: v.contiguous() for k, v in tensors.items() if v is not None}, path / "mtp.safetensors")
+    model = wmtp.load_model(str(path), dtype="float32")
+    n = 21
+    ids = torch.randint(0, BASE["vocab_size"], (n,), generator=g)
+    hidden = torch.randn(n, h, generator=g)
+    with torch.no_grad():
+        x = eh_proj(torch.cat([enorm(ref.model.embeddings(ids)), hnorm(hidden)], -1))[None]
+        want = final(blocks[1](blocks[0](x)))[0]
+        slots = model.bind_caches(1, n)
+        ctx = wmtp.models.context.ForwardContext(q_starts=[0], q_lens=[n], kv_slots=slots,
+                                                 state_slots=torch.zeros(1, dtype=torch.long), device=ids.device)
+        got = model.mtp_forward(ids, hidden, ctx)
+    assert model.mtp is not None and model.config.num_nextn_predict_layers == 1
+    assert (got - want).abs().max().item() <= 1e-5

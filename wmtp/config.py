@@ -400,6 +400,9 @@ def _parse_nemotron_h(raw: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
         mamba=mamba, num_nextn_predict_layers=n_mtp, mtp_layer_types=_blocks(mtp_blocks, "mtp_layers_block_type"),
         raw=raw,
     )
+    if "mamba" in cfg.mtp_layer_types:
+        raise ConfigError(f"config.json field 'mtp_layers_block_type'={cfg.mtp_layer_types}: Mamba2 MTP blocks are "
+                          "not supported; supported: attention, mlp and moe blocks")
     if "moe" in blocks + (cfg.mtp_layer_types if n_mtp else []):
         cfg.num_experts = int(req("n_routed_experts"))
         cfg.num_experts_per_tok = int(req("num_experts_per_tok"))

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from wmtp.kernels.common import pdl
 from wmtp.quant import FP8Block, NVFP4, QuantWeight
 
 try:
@@ -84,6 +85,7 @@ def same_layout(a: KernelWeight, b: KernelWeight) -> bool:
 
 
 if triton is not None:
+    from wmtp.kernels.common import wait_prior
 
     @triton.jit
     def e2m1_values(codes):
@@ -177,8 +179,9 @@ if triton is not None:
 
     @triton.jit
     def _dequantize_kernel(W, S, R, OUT, K, stride_w, stride_s, FORMAT: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """OUT[r, k] = value(r, k) * group scale (* NVFP4's row scale), in the twin's order and dtype."""
+        wait_prior(PDL)
         rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         m = (ks < K)[None, :]
@@ -207,5 +210,5 @@ def dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
         block_r = 4 if rows % 4 == 0 else 1  # rows divide the tile: no row mask
         _dequantize_kernel[(rows // block_r, triton.cdiv(kw.k, 512))](
             flat["w"], flat["s"], kw.rows.reshape(rows) if kw.format == NVFP4_CODE else flat["s"], out, kw.k, flat["w"].stride(0), flat["s"].stride(0),
-            FORMAT=kw.format, BLOCK_R=block_r, BLOCK_K=512)
+            FORMAT=kw.format, BLOCK_R=block_r, BLOCK_K=512, **pdl(kw.weight.device))
     return out

@@ -415,6 +415,8 @@ def load_checkpoint(
     cfg = ModelConfig.from_file(ckpt / "config.json")
     names = checkpoint_files(ckpt)
     n_mtp = _count_mtp_layers(list(names))
+    if cfg.family == "mamba_hybrid":  # a Nemotron-H MTP step spans its pattern's blocks
+        n_mtp //= len(cfg.mtp_layer_types)
     if cfg.num_nextn_predict_layers == 0 and n_mtp:
         cfg = cfg.replace(num_nextn_predict_layers=n_mtp)  # a head attached next to the checkpoint
     quant = QuantConfig.from_checkpoint(ckpt)

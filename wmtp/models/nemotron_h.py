@@ -11,9 +11,9 @@
 
 State-dict names are the checkpoints' (``backbone.embeddings``, ``backbone.layers.{i}.mixer.*``,
 ``backbone.norm_f``, ``lm_head``; experts per expert, ``mixer.experts.{e}.up_proj``), so loading is a
-name lookup; the attention's q / k / v are packed as in ``layers.Attention``. Target only for now: the
-CPU reference path (``backend="torch"``), ``forward`` / ``score`` over the model's own contiguous
-caches; the MTP layers, the engine's pools and the speculative verify come next.
+name lookup; the attention's q / k / v are packed as in ``layers.Attention``. The CPU reference path
+(``backend="torch"``) so far: ``forward`` / ``score`` / ``mtp_forward`` over the model's own
+contiguous caches (``bind_caches``); the engine's pools and the speculative verify come next.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from wmtp.kernels.torch_mamba2 import gated_group_rms_norm, ssd_chunked, ssd_gat
 from wmtp.kernels.torch_relu2_moe import relu2_experts, sigmoid_route
 from wmtp.models.backend import Backend, get_backend
 from wmtp.models.context import ForwardContext, PagedSlots
-from wmtp.models.layers import Attention, Linear, make_norm
+from wmtp.models.layers import Attention, Linear, embed_norm_cat, make_norm
 
 
 def _vector(n: int) -> nn.Parameter:
@@ -131,6 +131,48 @@ class NemotronHBlock(nn.Module):
         return h + (self.mixer(x, ctx) if self.block == "mamba" else self.mixer(x))
 
 
+class NemotronHMTPBlock(NemotronHBlock):
+    """A block of an MTP step (``mtp_layer_types``, e.g. attention then MoE): the step's first block
+    also holds the fusion (``enorm``, ``hnorm``, ``eh_proj``), its last the ``final_layernorm``."""
+
+    def __init__(self, cfg: ModelConfig, block: str, backend: Backend, first: bool, last: bool) -> None:
+        super().__init__(cfg, block, backend)
+        h = cfg.hidden_size
+        if first:
+            self.enorm, self.hnorm = make_norm(cfg, h, backend), make_norm(cfg, h, backend)
+            self.eh_proj = Linear(2 * h, h, False, backend)
+        if last:
+            self.final_layernorm = make_norm(cfg, h, backend)
+
+
+class NemotronHMTPHead(nn.Module):
+    """Nemotron-H's MTP (as the public serving code and checkpoints hold it, ``mtp.layers.{i}``):
+    step j runs blocks ``j*L .. j*L + L-1`` of the L-block pattern on
+    ``eh_proj(cat(enorm(embed[x_{p+1}]), hnorm(h_p)))`` at slot p (DESIGN §2), each block
+    ``h + mixer(norm(h))``, and returns ``final_layernorm`` of the last block's output. Its attention
+    has no position encoding, like the target's; embeddings and lm_head are the target's."""
+
+    def __init__(self, cfg: ModelConfig, backend: Backend) -> None:
+        super().__init__()
+        pattern = cfg.mtp_layer_types
+        self.span = len(pattern)
+        self.layers = nn.ModuleList(
+            NemotronHMTPBlock(cfg, pattern[i % self.span], backend, i % self.span == 0, i % self.span == self.span - 1)
+            for i in range(cfg.num_nextn_predict_layers * self.span))
+
+    def fuse(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, idx: int) -> torch.Tensor:
+        first = self.layers[idx * self.span]
+        return first.eh_proj(embed_norm_cat(ids, embed, hidden, first.enorm, first.hnorm))
+
+    def step(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
+             idx: int) -> torch.Tensor:
+        h = self.fuse(ids, embed, hidden, idx)
+        blocks = self.layers[idx * self.span:(idx + 1) * self.span]
+        for block in blocks:
+            h = block(h, ctx)
+        return blocks[-1].final_layernorm(h)
+
+
 class NemotronHCausalLM(nn.Module):
     """The Nemotron-H target: ``forward`` returns the final-norm hidden states, ``compute_logits``
     the lm_head's logits."""
@@ -146,7 +188,7 @@ class NemotronHCausalLM(nn.Module):
         self.backbone.layers = nn.ModuleList(NemotronHBlock(cfg, b, self.backend) for b in cfg.layer_types)
         self.backbone.norm_f = make_norm(cfg, cfg.hidden_size, self.backend)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.mtp = None
+        self.mtp = NemotronHMTPHead(cfg, self.backend) if cfg.num_nextn_predict_layers else None
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.backbone.embeddings(input_ids)
@@ -158,8 +200,19 @@ class NemotronHCausalLM(nn.Module):
         w = self.backbone.embeddings.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, w)
 
+    def mtp_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
+                    layer_idx: int = 0) -> torch.Tensor:
+        """One MTP step at draft slots ``ctx.positions`` (``NemotronHMTPHead``); feed the result to
+        ``compute_logits``, or back in as ``hidden``."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP head (num_nextn_predict_layers = 0)")
+        return self.mtp.step(input_ids, self.backbone.embeddings.weight, hidden, ctx, layer_idx)
+
     def attention_layers(self) -> list[nn.Module]:
         return [b.mixer for b in self.backbone.layers if b.block == "full_attention"]
+
+    def mtp_attention_layers(self) -> list[nn.Module]:
+        return [] if self.mtp is None else [b.mixer for b in self.mtp.layers if b.block == "full_attention"]
 
     def mamba_layers(self) -> list[Mamba2Mixer]:
         return [b.mixer for b in self.backbone.layers if b.block == "mamba"]
@@ -168,7 +221,7 @@ class NemotronHCausalLM(nn.Module):
         """Fresh contiguous caches for ``batch`` requests of up to ``max_len`` tokens (request b
         owns KV slots ``b * max_len ..`` and state slot b); returns a context template's slots."""
         p = self.backbone.embeddings.weight
-        for attn in self.attention_layers():
+        for attn in self.attention_layers() + self.mtp_attention_layers():
             shape = (batch * max_len, attn.num_kv_heads, attn.head_dim)
             attn.k_cache, attn.v_cache = (torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in range(2))
         for mix in self.mamba_layers():
