@@ -365,7 +365,8 @@ def _parse_nemotron_h(raw: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
     clamped to [time_step_min, inf), as transformers' mixer does whatever ``time_step_limit`` says."""
     mt = "nemotron_h"
     req = lambda k: _require(text, k, mt)  # noqa: E731
-    get = lambda k, legacy, default: text.get(legacy, text.get(k, default))  # noqa: E731 (the legacy name wins, as in transformers)
+    # the legacy name wins where both are given, as in transformers
+    get = lambda k, legacy, default: text.get(legacy, text.get(k, default))  # noqa: E731
     if "layers_block_type" in text and text["layers_block_type"] is not None:
         blocks = _blocks(text["layers_block_type"], "layers_block_type")
     else:

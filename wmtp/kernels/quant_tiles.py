@@ -209,6 +209,7 @@ def dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     if rows and kw.k:
         block_r = 4 if rows % 4 == 0 else 1  # rows divide the tile: no row mask
         _dequantize_kernel[(rows // block_r, triton.cdiv(kw.k, 512))](
-            flat["w"], flat["s"], kw.rows.reshape(rows) if kw.format == NVFP4_CODE else flat["s"], out, kw.k, flat["w"].stride(0), flat["s"].stride(0),
+            flat["w"], flat["s"], kw.rows.reshape(rows) if kw.format == NVFP4_CODE else flat["s"], out, kw.k,
+            flat["w"].stride(0), flat["s"].stride(0),
             FORMAT=kw.format, BLOCK_R=block_r, BLOCK_K=512, **pdl(kw.weight.device))
     return out
