@@ -82,7 +82,7 @@ if triton is not None:
         out_ptr = OUT + ts[:, None] * stride_ot + cols[None, :]
         out_ok = t_ok[:, None] & col_ok[None, :]
         if SPLITS == 1:
-            acc = acc * row_scale(R, cols, col_ok, FORMAT)[None, :]
+            acc = row_scale(acc, R, cols[None, :], col_ok[None, :], FORMAT)
             if HAS_BIAS:
                 acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr, acc.to(OUT.dtype.element_ty), mask=out_ok)
@@ -93,7 +93,7 @@ if triton is not None:
                 total = tl.zeros([T_P, BLOCK_N], tl.float32)
                 for j in range(SPLITS):
                     total += tl.load(part + j * T * N, mask=out_ok, other=0.0, cache_modifier=".cg")
-                total = total * row_scale(R, cols, col_ok, FORMAT)[None, :]
+                total = row_scale(total, R, cols[None, :], col_ok[None, :], FORMAT)
                 if HAS_BIAS:
                     total += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
                 tl.store(out_ptr, total.to(OUT.dtype.element_ty), mask=out_ok)
@@ -121,7 +121,7 @@ def linear_tiles(rows: int, n: int, k: int) -> LinearTiles | None:
     return LinearTiles(32, 256, 4 if k >= 4096 else 1, 4)
 
 
-def quant_tiles(rows: int, n: int, k: int, fmt: int) -> LinearTiles:
+def quant_tiles(n: int, k: int) -> LinearTiles:
     """Tiles for a quantized [n, k] weight (no cuBLAS alternative short of dequantizing it): K steps
     of 128 inputs, 64-wide column blocks (32 up to 1024 outputs) and as many K splits (8, 4, 2) as
     keep the launch within 1200 programs. Best on the H200 for NVFP4 at 1 row of the sweep
@@ -170,7 +170,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
     x2, out = skinny_rows("skinny_linear", x, weight.shape[0], bias, QUANT_MAX_ROWS if quant else MAX_ROWS)
     T, N = out.shape
     if T and N:
-        default = quant_tiles(T, N, K, kw.format) if quant else linear_tiles(T, N, K) or LinearTiles(16, 128, 1, 4)
+        default = quant_tiles(N, K) if quant else linear_tiles(T, N, K) or LinearTiles(16, 128, 1, 4)
         cfg = tiles or default
         if tiles is None:  # (one K split when a whole-K step covers K)
             cfg = cfg._replace(block_n=launch_tile(cfg.block_n, N), block_k=launch_tile(cfg.block_k, K, 128 if quant else 1024))

@@ -118,8 +118,8 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             g += weight_dot(wg, cg, X, rows * stride_n, rows * stride_c, x_off, row_ok, k0, K, FORMAT, BLOCK_K)
             u += weight_dot(wu, cu, X, rows * stride_n, rows * stride_c, x_off, row_ok, k0, K, FORMAT, BLOCK_K)
-        g = g * row_scale(tl.where(sh, SRG, RG + e * stride_re), rows, row_ok, FORMAT)
-        u = u * row_scale(tl.where(sh, SRU, RU + e * stride_re), rows, row_ok, FORMAT)
+        g = row_scale(g, tl.where(sh, SRG, RG + e * stride_re), rows, row_ok, FORMAT)
+        u = row_scale(u, tl.where(sh, SRU, RU + e * stride_re), rows, row_ok, FORMAT)
         dt = OUT.dtype.element_ty
         g = g.to(dt).to(tl.float32)  # the reference rounds each projection to the activation dtype
         u = u.to(dt).to(tl.float32)
@@ -165,7 +165,7 @@ if triton is not None:
         acc = tl.zeros([TOP_K_P, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             acc += weight_dot(W, C, H, w_rows, c_rows, h_off, ok, k0, K, FORMAT, BLOCK_K)
-        acc = acc * row_scale(R, e[:, None] * stride_re + rows[None, :], ok, FORMAT)
+        acc = row_scale(acc, R, e[:, None] * stride_re + rows[None, :], ok, FORMAT)
         tw = tl.load(TW + p, mask=sel_ok, other=0.0)  # padded experts weigh 0 (and their acc is 0)
         out = tl.sum(acc.to(dt).to(tl.float32) * tw[:, None], 0)  # each expert rounded as the reference's
         if SHARED:  # + sigmoid(logit[t]) * (W_shared_down @ h_shared[t]), the projection rounded as F.linear's
@@ -174,7 +174,7 @@ if triton is not None:
             for k0 in range(0, KS, BLOCK_K):
                 acc_s += weight_dot(WS, CS, HS, rows * stride_ws, rows * stride_cs, hs_off, row_ok, k0, KS, FORMAT,
                                     BLOCK_K)
-            acc_s = acc_s * row_scale(RS, rows, row_ok, FORMAT)
+            acc_s = row_scale(acc_s, RS, rows, row_ok, FORMAT)
             out += acc_s.to(dt).to(tl.float32) / (1.0 + tl.exp(-tl.load(SL + t)))
         tl.store(OUT + t * N + rows, out.to(dt), mask=row_ok)
 

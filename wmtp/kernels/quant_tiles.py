@@ -128,12 +128,12 @@ if triton is not None:
             return acc
 
     @triton.jit
-    def row_scale(R, r_rows, row_ok, FORMAT: tl.constexpr):
-        """The per-row factor of a row's sum: NVFP4's second-level scale at ``R + r_rows``, else 1."""
+    def row_scale(acc, R, r_rows, row_ok, FORMAT: tl.constexpr):
+        """``acc`` (rows' sums, broadcastable to ``r_rows``' shape) times NVFP4's per-row second-level
+        scale at ``R + r_rows``; other formats have none (no op: the float kernels stay as they were)."""
         if FORMAT == 1:
-            return tl.load(R + r_rows, mask=row_ok, other=0.0)
-        else:
-            return tl.full(r_rows.shape, 1.0, tl.float32)
+            acc = acc * tl.load(R + r_rows, mask=row_ok, other=0.0)
+        return acc
 
     @triton.jit
     def weight_tile_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, k0, K, acc,
