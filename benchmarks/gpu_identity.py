@@ -24,13 +24,16 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--page-size", type=int, default=64, help="KV page (64: the attention's contiguous path)")
+    ap.add_argument("--presets", default="tiny-qwen3.5-moe,tiny-qwen3-next,tiny-llama,tiny-nemotron-h",
+                    help="comma-separated tiny presets (bf16 weights; tiny-qwen3.5-moe also as nvfp4 and fp8)")
     a = ap.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 500) for _ in range(rng.choice([5, 40, 120, 300]))] for _ in range(a.prompts)]
     params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
     rows = []
-    cases = [(p, None) for p in ("tiny-qwen3.5-moe", "tiny-qwen3-next", "tiny-llama")]
-    cases += [("tiny-qwen3.5-moe", q) for q in ("nvfp4", "fp8")]  # quantized weights, the same engine
+    presets = a.presets.split(",")
+    cases = [(p, None) for p in presets]
+    cases += [("tiny-qwen3.5-moe", q) for q in ("nvfp4", "fp8") if "tiny-qwen3.5-moe" in presets]  # quantized weights
     for preset, quant in cases:
         for dtype in ("float32", "bfloat16"):
             model = wmtp.load_model(preset, device="cuda", dtype=dtype, backend="triton", quantize=quant)

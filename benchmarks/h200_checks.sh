@@ -5,7 +5,8 @@
 # 131,072-token prefill, admission at 131K, the sweep suite at 1.04M and the batch sweep at 131K.
 # Together longer than one 10-minute device call: pick with PARTS (comma-separated names below)
 # and the models of step / ttft / seats with PRESETS (comma-separated preset names), the formats
-# whose decode kernels' tiles are swept with QTUNE (nvfp4,fp8); the suite
+# whose decode kernels' tiles are swept with QTUNE (nvfp4,fp8), the tiny presets of identity with
+# IDENTITY (default: all); the suite
 # resumes from $WORK (kept on the machine between calls); every part stops by $DEADLINE seconds.
 #   run from the repo root with WMTP_COMMIT set to the commit the tree holds; everything lands in
 #   $OUT/results.tgz (+ log.txt), refreshed after each part. Pure-Python wheels in .whl/ (fla-core)
@@ -29,7 +30,8 @@ run() {
   tar -czf "$OUT/results.tgz" -C "$WORK" . && cp "$WORK/log.txt" "$OUT/log.txt"
 }
 kernel_tests="tests/test_decode_graphs.py tests/test_paged_attention.py tests/test_gdn_kernel.py tests/test_moe_kernel.py
-  tests/test_norm_kernel.py tests/test_linear_kernel.py tests/test_argmax_kernel.py tests/test_stream_kernel.py"
+  tests/test_norm_kernel.py tests/test_linear_kernel.py tests/test_argmax_kernel.py tests/test_stream_kernel.py
+  tests/test_mamba2_kernel.py"
 quant_tests="tests/test_quant_linear.py tests/test_quant_moe.py tests/test_linear_kernel.py tests/test_moe_kernel.py
   tests/test_quantized_model.py::test_triton_backend_emits_the_twins_tokens"
 [[ $parts == *qtests* ]] && run qtests python3 -m pytest -q -p no:cacheprovider $quant_tests
@@ -39,7 +41,7 @@ for q in ${QTUNE//,/ }; do  # the quantized decode kernels' tile sweeps, per for
 done
 [[ $parts == *,tests* || $parts == tests* ]] && run tests python3 -m pytest -q -x -p no:cacheprovider $kernel_tests
 [[ $parts == *identity* ]] && run identity python3 benchmarks/gpu_identity.py --prompts 8 --max-tokens 32 \
-  --out "$WORK/gpu_identity.json"
+  ${IDENTITY:+--presets "$IDENTITY"} --out "$WORK/gpu_identity.json"
 for p in "${presets[@]}"; do
   [[ $parts == *step* ]] && run "step $p" python3 -m wmtp bench step --preset "$p" --context 1040000 -d 7 --iters 60 \
     --kernels --admission --out "$WORK/step_1m_$p.json"

@@ -103,7 +103,9 @@ def tiny_model(preset: str, device: str = "cpu", backend: str = "torch", seed: i
     from wmtp.presets import PRESETS
 
     raw = dict(PRESETS[preset])
-    if "num_hidden_layers" not in overrides:
+    if "layers_block_type" in raw:  # Nemotron-H: one block of each kind that carries state or routing
+        overrides.setdefault("layers_block_type", ["mamba", "full_attention", "moe"])
+    elif "num_hidden_layers" not in overrides:
         hybrid = raw.get("full_attention_interval") or "linear_num_value_heads" in raw
         overrides["num_hidden_layers"] = 2 if hybrid else 1
         if hybrid:

@@ -82,7 +82,7 @@ def dense_reference():
     return get
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-llama", "tiny-qwen3.5-moe"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-llama", "tiny-qwen3.5-moe", "tiny-nemotron-h"])
 @pytest.mark.parametrize("mode,ring", MODES)
 def test_greedy_identical_across_modes(preset, mode, ring, dense_reference):
     """≥ 50 prompts per preset and mode, d from 2 to 8, batch 1 and 4 with staggered arrivals."""
@@ -103,7 +103,7 @@ def test_greedy_identical_across_modes(preset, mode, ring, dense_reference):
     assert len(accepted_counts) >= 4, f"acceptance paths barely exercised: {accepted_counts}"
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-llama"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-llama", "tiny-nemotron-h"])
 def test_natural_drafts_identical(preset, dense_reference):
     """The model's own (random) draft head, no injected proposals."""
     prompts = _prompts(8, seed=3)
@@ -268,7 +268,7 @@ def test_verify_record_is_preallocated_and_budgeted():
     width = c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * (c.linear_value_head_dim + 2)
     per_layer = 4 * width * 4 + (c.linear_conv_kernel_dim - 1 + 4) * c.gdn_conv_dim * mem.elt
     assert mem.bytes_report()["verify_record"] == seqs * len(c.linear_attention_layers) * per_layer
-    layers, pools = eng.model.gdn_layers(), eng.model.gdn_pools
+    layers, pools = eng.model.recurrent_layers(), eng.model.state_pools
     assert pools.verify_tokens.shape == (len(layers), seqs * 4, width)
     assert pools.verify_windows.shape[:2] == (len(layers), seqs)
     seen = []
@@ -301,10 +301,11 @@ def test_ever_read_runs_match_the_rule():
 
 # ---- rollback --------------------------------------------------------------------------------
 @pytest.mark.parametrize("accepted", [0, 1, 3, 4])
-def test_gdn_rollback_equals_replay(accepted):
-    """After a verify of d tokens rolled back to ``accepted``, conv + recurrent states equal those of
-    replaying only the accepted tokens (<= 1e-5)."""
-    llm = _llm("tiny-qwen3-next", "native", d=5)
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
+def test_rollback_equals_replay(preset, accepted):
+    """After a verify of d tokens rolled back to ``accepted``, conv + recurrent states (GDN or
+    Mamba2) equal those of replaying only the accepted tokens (<= 1e-5)."""
+    llm = _llm(preset, "native", d=5)
     eng, model = llm.engine, llm.model
     prompt = _prompts(1, seed=2)[0] + list(range(40, 70))
     verify = [7, 8, 9, 10, 11]
@@ -320,7 +321,7 @@ def test_gdn_rollback_equals_replay(accepted):
         model(torch.tensor(verify), ctx)
         eng._rollback([ra], [accepted], ctx)
         model(torch.tensor(verify[: accepted + 1]), eng._target_ctx([rb], [len(prompt)], [accepted + 1]))
-    for layer in model.gdn_layers():
+    for layer in model.recurrent_layers():
         sa, sb = ra.alloc.state_slot, rb.alloc.state_slot
         assert (layer.ssm_state[sa] - layer.ssm_state[sb]).abs().max() <= 1e-5
         assert (layer.conv_state[sa] - layer.conv_state[sb]).abs().max() <= 1e-5

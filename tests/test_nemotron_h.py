@@ -2,8 +2,9 @@
 errors naming the field), and parity with transformers 5.17's NemotronHForCausalLM on tiny random
 checkpoints it writes (Mamba2 with one or two groups over several SSD chunks, NoPE attention,
 ReLU² MLP, sigmoid-routed MoE with and without the latent projection, group-limited routing):
-logits of 3 sequences within 1e-4, and a chunked prefill followed by decode steps equal to one
-forward."""
+logits of 3 sequences within 1e-4, a chunked prefill followed by decode steps equal to one
+forward, the MTP head against transformers' blocks, and the engine's greedy output in every mode
+equal to transformers' greedy continuation."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import wmtp
+import wmtp.presets
 from wmtp.config import ModelConfig
 from wmtp.errors import ConfigError
 
@@ -74,19 +76,41 @@ def test_config_spellings_and_errors(tmp_path):
         ModelConfig.from_dict({**legacy, "mamba_n_groups": 3})
     with pytest.raises(ConfigError, match="'n_routed_experts' is required"):
         ModelConfig.from_dict({k: v for k, v in legacy.items() if k != "n_routed_experts"})
+    super_ = wmtp.presets.preset_config("nemotron-3-super-120b-a12b")  # the public config, as shipped
+    assert super_.layer_types.count("mamba") == super_.layer_types.count("moe") == 40
+    assert super_.full_attention_layers == [7, 16, 25, 36, 47, 58, 69, 78] and super_.mtp_layer_types == ["full_attention", "moe"]
+    with pytest.raises(ConfigError, match="more than one attention block"):
+        ModelConfig.from_dict({**legacy, "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "**E"})
     (tmp_path / "config.json").write_text(json.dumps({**legacy, "architectures": ["NemotronHForCausalLM"]}))
     assert ModelConfig.from_file(tmp_path / "config.json").model_type == "nemotron_h"
 
 
-def test_the_engine_refuses_the_family_by_name(tmp_path):
-    _, path = _checkpoint(tmp_path, "latent-moe")
-    with pytest.raises(wmtp.errors.WmtpError, match="nemotron_h: the engine does not run this family yet"):
-        wmtp.LLM(wmtp.load_model(str(path), dtype="float32"), spec=wmtp.SpecConfig(mode="dense"))
+def test_engine_greedy_equals_transformers_in_every_mode(tmp_path):
+    """The engine (Mamba2 state pools, chunked prefill, speculative verify + Mamba2 rollback, the
+    windowed draft on a ring) emits transformers' own greedy continuation of the checkpoint."""
+    ref, path, _ = _mtp_checkpoint(tmp_path)
+    model = wmtp.load_model(str(path), dtype="float32")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, BASE["vocab_size"], (n,), generator=g).tolist() for n in (30, 7)]
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(10):
+                ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+            want.append(ids[len(p):])
+    for spec in (wmtp.SpecConfig(mode="dense"), wmtp.SpecConfig(mode="native", num_draft_tokens=3),
+                 wmtp.SpecConfig(mode="windowed", num_draft_tokens=3, sink=2, window=6)):
+        llm = wmtp.LLM(model, spec=spec, max_model_len=64, max_num_seqs=2, page_size=8, prefill_chunk=11)
+        out = llm.generate(prompts, wmtp.SamplingParams(max_tokens=10, ignore_eos=True))
+        assert [o.token_ids for o in out] == want, spec.mode
+        assert all(v == 0 for v in llm.engine.memory.usage().values())
 
 
-def test_mtp_head_matches_transformers_blocks(tmp_path):
-    """The MTP step (``mtp.layers.0`` attention with the fusion, ``mtp.layers.1`` MoE with the final
-    norm) against the same computation from transformers' own NemotronH modules."""
+def _mtp_checkpoint(tmp_path):
+    """The latent-moe checkpoint plus an MTP head (``mtp.layers.0`` attention with the fusion,
+    ``mtp.layers.1`` MoE with the final norm) built from transformers' own NemotronH modules;
+    returns (target, path, (blocks, enorm, hnorm, final, eh_proj))."""
     from safetensors.torch import save_file
     from transformers.models.nemotron_h import modeling_nemotron_h as m
 
@@ -115,16 +139,21 @@ def test_mtp_head_matches_transformers_blocks(tmp_path):
                     tensors[f"{prefix}.mixer.experts.{e}.up_proj.weight"] = mod.mixer.experts.up_proj[e].clone()
                     tensors[f"{prefix}.mixer.experts.{e}.down_proj.weight"] = mod.mixer.experts.down_proj[e].clone()
     save_file({k: v.contiguous() for k, v in tensors.items() if v is not None}, path / "mtp.safetensors")
+    return ref, path, (blocks, enorm, hnorm, final, eh_proj)
+
+
+def test_mtp_head_matches_transformers_blocks(tmp_path):
+    """The MTP step against the same computation from transformers' own NemotronH modules."""
+    ref, path, (blocks, enorm, hnorm, final, eh_proj) = _mtp_checkpoint(tmp_path)
     model = wmtp.load_model(str(path), dtype="float32")
-    n = 21
+    n, h = 21, BASE["hidden_size"]
+    g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, BASE["vocab_size"], (n,), generator=g)
     hidden = torch.randn(n, h, generator=g)
     with torch.no_grad():
         x = eh_proj(torch.cat([enorm(ref.model.embeddings(ids)), hnorm(hidden)], -1))[None]
         want = final(blocks[1](blocks[0](x)))[0]
-        slots = model.bind_caches(1, n)
-        ctx = wmtp.models.context.ForwardContext(q_starts=[0], q_lens=[n], kv_slots=slots,
-                                                 state_slots=torch.zeros(1, dtype=torch.long), device=ids.device)
-        got = model.mtp_forward(ids, hidden, ctx)
+        with model.private_cache(1, n) as cache:
+            got = model.mtp_forward(ids, hidden, cache.context([0], [n]))
     assert model.mtp is not None and model.config.num_nextn_predict_layers == 1
     assert (got - want).abs().max().item() <= 1e-5

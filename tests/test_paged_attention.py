@@ -251,7 +251,8 @@ def test_bf16_real_head_dims_gpu(dim):
 
 
 @pytest.mark.whole_tiles
-@pytest.mark.parametrize("preset,mode", [("tiny-llama", "windowed"), ("tiny-qwen3.5-moe", "native")])
+@pytest.mark.parametrize("preset,mode", [("tiny-llama", "windowed"), ("tiny-qwen3.5-moe", "native"),
+                                         ("tiny-nemotron-h", "windowed")])
 def test_engine_greedy_identical_with_triton_backend(preset, mode):
     """The whole engine on the Triton backend (prefill chunks, draft window, ring, verify) emits the
     same greedy tokens as on the reference backend."""

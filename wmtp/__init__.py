@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # pragma: no cover
-    from wmtp.models.model import CausalLM
+    from wmtp.models.base import TargetLM
 
 
 def load_model(path_or_preset: str, device: str = "cpu", dtype: Any = None, seed: int = 0, backend: str = "torch",
-               quantize: str | None = None) -> "CausalLM":
+               quantize: str | None = None) -> "TargetLM":
     """A checkpoint directory (config.json + safetensors; quantized ones as their config says) or a
     preset name (random weights made directly on ``device``; quantized as the preset says, or to
     ``quantize`` = ``nvfp4`` | ``fp8`` by round-to-nearest). ``dtype`` (of what stays unquantized)

@@ -175,6 +175,14 @@ class ModelConfig:
     def gdn_value_dim(self) -> int:
         return self.linear_num_value_heads * self.linear_value_head_dim
 
+    @property
+    def num_mtp_attention_layers(self) -> int:
+        """Attention layers of the MTP head: one per MTP layer (Qwen, DeepSeek), or those of each
+        step's block pattern (Nemotron-H)."""
+        if self.family == "mamba_hybrid":
+            return self.num_nextn_predict_layers * self.mtp_layer_types.count("full_attention")
+        return self.num_nextn_predict_layers
+
     def draft_kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """One MTP attention layer: K and V, kv_heads x head_dim each (DESIGN §4)."""
         return 2 * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -401,9 +409,12 @@ def _parse_nemotron_h(raw: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
         mamba=mamba, num_nextn_predict_layers=n_mtp, mtp_layer_types=_blocks(mtp_blocks, "mtp_layers_block_type"),
         raw=raw,
     )
-    if "mamba" in cfg.mtp_layer_types:
-        raise ConfigError(f"config.json field 'mtp_layers_block_type'={cfg.mtp_layer_types}: Mamba2 MTP blocks are "
-                          "not supported; supported: attention, mlp and moe blocks")
+    if "mamba" in cfg.mtp_layer_types or cfg.mtp_layer_types.count("full_attention") > 1:
+        # the draft's KV of a slot must depend on that slot alone (its windowed prefill writes K/V
+        # without attention, DESIGN §4): at most one attention block per step, no recurrence
+        raise ConfigError(f"config.json field 'mtp_layers_block_type'={cfg.mtp_layer_types}: MTP steps with Mamba2 "
+                          "blocks or more than one attention block are not supported; supported: at most one "
+                          "attention block with mlp and moe blocks")
     if "moe" in blocks + (cfg.mtp_layer_types if n_mtp else []):
         cfg.num_experts = int(req("n_routed_experts"))
         cfg.num_experts_per_tok = int(req("num_experts_per_tok"))

@@ -178,7 +178,7 @@ def window_probe(
 def _probe_ids(model, token_ids: Sequence[int] | torch.Tensor, first: int) -> torch.Tensor:
     if model.mtp is None:
         raise ValueError("window_probe: the model has no MTP head")
-    device = model.model.embed_tokens.weight.device
+    device = model.embed_weight.device
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=device).reshape(-1)
     if not 0 <= first < ids.numel() - 1:
         raise ValueError(f"window_probe: need 0 <= first < T - 1 (got first={first}, T={ids.numel()})")

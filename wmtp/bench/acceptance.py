@@ -31,7 +31,7 @@ import torch
 from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.engine.engine import Engine, Request
 from wmtp.engine.sampling import SamplingParams
-from wmtp.models.model import CausalLM
+from wmtp.models.base import TargetLM
 
 
 @dataclass
@@ -93,7 +93,7 @@ def _draft_slots(eng: Engine, req: Request, positions: torch.Tensor) -> torch.Te
 
 
 @torch.no_grad()
-def take_snapshot(model: CausalLM, prompt: list[int], prefill_chunk: int = 512, page_size: int = 16) -> PrefillSnapshot:
+def take_snapshot(model: TargetLM, prompt: list[int], prefill_chunk: int = 512, page_size: int = 16) -> PrefillSnapshot:
     """Prefill ``prompt`` (target + full-length draft prefill, chunked like the engine) and keep its state."""
     n = len(prompt)
     if model.mtp is None:
@@ -109,7 +109,7 @@ def take_snapshot(model: CausalLM, prompt: list[int], prefill_chunk: int = 512, 
     dslots = _draft_slots(eng, req, torch.arange(n - 1, device=eng.device))
     draft_kv = [(a.k_cache[dslots].clone(), a.v_cache[dslots].clone()) for a in model.mtp_attention_layers()]
     s = req.alloc.state_slot
-    states = [(g.conv_state[s].clone(), g.ssm_state[s].clone()) for g in model.gdn_layers()] if s is not None else []
+    states = [(g.conv_state[s].clone(), g.ssm_state[s].clone()) for g in model.recurrent_layers()] if s is not None else []
     hidden = torch.cat(eng.hidden)
     assert hidden.shape[0] == n and torch.equal(hidden[-1:], req.pending_hidden)
     return PrefillSnapshot(list(prompt), hidden, target_kv, draft_kv, states)
@@ -125,7 +125,7 @@ def _kept_draft_positions(spec: SpecConfig, n: int) -> list[int]:
 
 
 @torch.no_grad()
-def fork(model: CausalLM, snap: PrefillSnapshot, spec: SpecConfig, params: SamplingParams, page_size: int = 16,
+def fork(model: TargetLM, snap: PrefillSnapshot, spec: SpecConfig, params: SamplingParams, page_size: int = 16,
          prefill_chunk: int = 512) -> tuple[TracingEngine, Request]:
     """A fresh engine for ``spec`` holding ``snap``'s request right after its first token (x_n emitted,
     d_1 drafted under ``spec``'s window). Step the engine until ``has_unfinished()`` is False."""
@@ -142,7 +142,7 @@ def fork(model: CausalLM, snap: PrefillSnapshot, spec: SpecConfig, params: Sampl
         dslots = _draft_slots(eng, req, keep)
         for attn, (k, v) in zip(model.mtp_attention_layers(), snap.draft_kv):
             attn.k_cache[dslots], attn.v_cache[dslots] = k[keep], v[keep]
-    for g, (conv, ssm) in zip(model.gdn_layers(), snap.states):
+    for g, (conv, ssm) in zip(model.recurrent_layers(), snap.states):
         g.conv_state[req.alloc.state_slot], g.ssm_state[req.alloc.state_slot] = conv, ssm
     req.prefilled, req.pending_hidden = n, snap.hidden[-1:].clone()
     eng._first_tokens([req])
@@ -159,7 +159,7 @@ class ForkRun:
     seconds: float = 0.0
 
 
-def run_fork(model: CausalLM, snap: PrefillSnapshot, spec: SpecConfig, params: SamplingParams, **kw) -> ForkRun:
+def run_fork(model: TargetLM, snap: PrefillSnapshot, spec: SpecConfig, params: SamplingParams, **kw) -> ForkRun:
     """``fork`` then decode to completion."""
     import time
 

@@ -90,7 +90,7 @@ class Bench:
 
     @property
     def elt(self) -> int:
-        return self.model.model.embed_tokens.weight.element_size()
+        return self.model.embed_weight.element_size()
 
 
 @dataclass
@@ -123,7 +123,7 @@ def request_bytes(model: CausalLM, spec: SpecConfig, total_tokens: int, page_siz
 def seq_cap(bench: Bench, cell: Cell, max_tokens: int) -> int:
     """max_num_seqs of a budget cell: one more request than the budget can hold (so the pools, not
     the sequence slots, stop admission), at most ``--max-batch``."""
-    dtype = bench.model.model.embed_tokens.weight.dtype
+    dtype = bench.model.embed_weight.dtype
     per = request_bytes(bench.model, cell.spec, cell.S + max_tokens, bench.a.page_size, dtype)
     return max(1, min(bench.a.max_batch, bench.budget() // per + 1))
 

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from wmtp.engine.config import SpecConfig
+from wmtp.errors import WmtpError
 from wmtp.models.layers import SparseMoE
 from wmtp.models.loader import quant_groups
 from wmtp.models.model import CausalLM
@@ -83,6 +84,8 @@ class _Weights:
 def step_bytes(model: CausalLM, spec: SpecConfig, context: int, distinct: dict[int, float], elt: int) -> StepBytes:
     """``distinct``: mean distinct experts per forward, keyed by ``id`` of each MoE block."""
     cfg = model.config
+    if not isinstance(model, CausalLM):
+        raise WmtpError(f"bytes floor: not counted for {cfg.model_type} yet (its MoE blocks hold experts per expert)")
     body = model.model
     emb = body.embed_tokens.weight
     weights = _Weights(model)
@@ -93,7 +96,7 @@ def step_bytes(model: CausalLM, spec: SpecConfig, context: int, distinct: dict[i
     gamma = spec.gamma
     target_experts = int(sum(distinct.get(id(m), 0) * weights.expert(m) for m in target_moes))
     states = sum(l.conv_state[0].numel() * l.conv_state.element_size() + l.ssm_state[0].numel() * l.ssm_state.element_size()
-                 for l in model.gdn_layers())
+                 for l in model.recurrent_layers())
     draft_dense = draft_experts = draft_kv = 0
     if gamma and model.mtp is not None:
         mtp_dense, mtp_moes = weights.split(model.mtp)
@@ -101,7 +104,7 @@ def step_bytes(model: CausalLM, spec: SpecConfig, context: int, distinct: dict[i
         draft_experts = int(gamma * sum(distinct.get(id(m), 0) * weights.expert(m) for m in mtp_moes))
         win = spec.window_for(context)
         keys = context if win is None else min(context, win.sink + win.window)
-        draft_kv = gamma * keys * cfg.draft_kv_bytes_per_token(elt) * max(cfg.num_nextn_predict_layers, 1)
+        draft_kv = gamma * keys * cfg.draft_kv_bytes_per_token(elt) * max(cfg.num_mtp_attention_layers, 1)
     return StepBytes(
         target_dense=target_dense, target_experts=target_experts,
         target_kv=context * cfg.target_kv_bytes_per_token(elt), states=states,

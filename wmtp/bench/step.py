@@ -37,11 +37,11 @@ def _spec(mode: str, d: int, window: int, sink: int) -> SpecConfig:
 
 def release_pools(model) -> None:
     """Drop the pool tensors bound to the model's layers so the next engine can allocate its own."""
-    for layer in model.attention_layers() + model.mtp_attention_layers() + model.gdn_layers():
+    for layer in model.attention_layers() + model.mtp_attention_layers() + model.recurrent_layers():
         for name in ("k_cache", "v_cache", "conv_state", "ssm_state", "verify_record"):
             if hasattr(layer, name):
                 setattr(layer, name, None)
-    model.gdn_pools = None
+    model.state_pools = None
     gc.collect()
     torch.cuda.empty_cache()
 

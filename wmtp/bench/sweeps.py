@@ -270,7 +270,7 @@ def _shape(cfg) -> dict:
 def _meta(a: argparse.Namespace, bench: Bench, sweep: Sweep) -> dict:
     from wmtp.bench.step import _meta as base
 
-    dtype = str(bench.model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    dtype = str(bench.model.embed_weight.dtype).removeprefix("torch.")
     meta = {**base(a, True, 1 if sweep.single_run else a.runs), "dtype": dtype, "shape": _shape(bench.model.config),
             "backend": a.backend, "forced_accept": a.accept, "iters": a.iters, "warmup": a.warmup,
             "notes": f"synthetic context, forced acceptance k={a.accept} (clipped to γ): costs only, AL = k+1 by "

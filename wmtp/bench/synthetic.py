@@ -24,7 +24,7 @@ def randomize_pools(engine: Engine, seed: int = 0) -> None:
         for cache in (getattr(layer, "k_cache", None), getattr(layer, "v_cache", None)):
             if cache is not None:  # MTP layers hold no cache in dense mode
                 cache.normal_(0, 1, generator=gen)
-    for layer in model.gdn_layers():
+    for layer in model.recurrent_layers():
         layer.conv_state.normal_(0, 0.1, generator=gen)
         layer.ssm_state.normal_(0, 0.01, generator=gen)
 

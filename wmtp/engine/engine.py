@@ -30,7 +30,7 @@ from wmtp.engine.metrics import EngineMetrics, RequestMetrics
 from wmtp.engine.sampling import SamplingParams, accept_greedy, accept_speculative, filtered_probs, sample
 from wmtp.errors import WmtpError
 from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
-from wmtp.models.model import CausalLM
+from wmtp.models.base import TargetLM
 
 
 class Status(enum.Enum):
@@ -76,14 +76,11 @@ class StepOutput:
 class Engine:
     """Continuous batching over one model; ``step()`` advances every running request once."""
 
-    def __init__(self, model: CausalLM, spec: SpecConfig, eng: EngineConfig) -> None:
-        if model.config.family == "mamba_hybrid":
-            raise WmtpError(f"{model.config.model_type}: the engine does not run this family yet (its Mamba2 state "
-                            "pools and speculative verify are not built); model.score runs it")
+    def __init__(self, model: TargetLM, spec: SpecConfig, eng: EngineConfig) -> None:
         if spec.speculative and model.mtp is None:
             raise WmtpError(f"mode {spec.mode!r} needs an MTP head; this model has none (use mode='dense')")
         self.model, self.spec, self.eng = model, spec, eng
-        p = model.model.embed_tokens.weight
+        p = model.embed_weight
         self.device, self.dtype = p.device, p.dtype
         self.memory = MemoryManager(model.config, spec, eng, self.dtype)
         self.memory.bind(model, self.device)
@@ -388,6 +385,11 @@ class Engine:
         "off". The static path needs the device-side kernels of the triton backend."""
         mode = self.eng.decode_graphs
         if mode == "off" or self.model.backend.name != "triton" or self.dtype == torch.float64:
+            return "off"
+        if not self.model.static_decode:
+            if mode in ("capture", "eager"):
+                raise WmtpError(f"EngineConfig.decode_graphs={mode!r}: {self.model.config.model_type} has no static "
+                                "decode path yet (some of its ops are not device kernels); use 'auto' or 'off'")
             return "off"
         if mode == "auto":
             return "capture" if self.device.type == "cuda" else "off"

@@ -149,7 +149,7 @@ class DecodeGraphs:
         start = time.perf_counter()
         self.model, self.spec, self.cfg, self.memory, self.B = model, spec, cfg, memory, batch
         self.gamma, self.d = spec.gamma, spec.verify_tokens
-        weight = model.model.embed_tokens.weight
+        weight = model.embed_weight
         self.device, dtype = weight.device, weight.dtype
         dev, B, d, g = self.device, batch, self.d, max(self.gamma - 1, 0)
         mem = memory

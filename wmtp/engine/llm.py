@@ -12,7 +12,7 @@ from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.engine.engine import Engine
 from wmtp.engine.sampling import SamplingParams
 from wmtp.errors import WmtpError
-from wmtp.models.model import CausalLM
+from wmtp.models.base import TargetLM
 from wmtp.tokenizer import TextTokenizer
 
 Prompt = str | Sequence[int]
@@ -33,12 +33,12 @@ class LLM:
     """``LLM(model_path_or_preset, spec=SpecConfig(...), device=..., dtype=..., max_model_len=...)``.
 
     ``backend="auto"`` picks the Triton kernels on a CUDA device (when triton is installed) and the
-    PyTorch reference otherwise. ``model`` may also be a built ``CausalLM`` (its own device, dtype
+    PyTorch reference otherwise. ``model`` may also be a built ``TargetLM`` (its own device, dtype
     and backend; no tokenizer)."""
 
     def __init__(
         self,
-        model: str | CausalLM,
+        model: str | TargetLM,
         spec: SpecConfig | None = None,
         device: str = "cpu",
         dtype: str | torch.dtype | None = None,
@@ -56,7 +56,7 @@ class LLM:
         import wmtp
         from wmtp.models.backend import default_backend
 
-        if isinstance(model, torch.nn.Module):  # a built model (CausalLM, or another family's)
+        if isinstance(model, TargetLM):  # a built model of any family
             self.model, self.tokenizer = model, None
         else:
             backend = default_backend(device) if backend == "auto" else backend

@@ -3,12 +3,12 @@
 - Target KV: ``num_pages`` pages of ``page_size`` slots, one tensor per full-attention layer.
 - Draft KV: a full-length paged pool (native; windowed with ring=False) or one ring of
   ``sink + W + d`` slots per request (windowed, ring=True).
-- Recurrent state: one GDN conv + SSM state slot per running request (hybrid targets).
-- Verify states (speculative hybrid targets): the SSM state after every verify token and the conv
-  window (K-1 old inputs + d new), per sequence slot, which the rollback after a partial
-  acceptance reads. It is the largest activation of a verify (d x 2 MiB per GDN layer and request
-  on the 35B shape), so it is sized up front and counted in the budget like the pools, never
-  allocated inside a forward.
+- Recurrent state: one conv + SSM state slot per running request in every recurrent layer (GDN or
+  Mamba2, ``models.base.recurrent_state``).
+- Verify record (speculative recurrent targets): each verify token's recurrence inputs and the conv
+  window (K-1 old inputs + d new), per sequence slot, which the rollback after a partial acceptance
+  replays. It is sized up front and counted in the budget like the pools, never allocated inside a
+  forward.
 
 A request reserves its worst case at admission (pages for prompt + max_tokens + d), so a running
 request can never run out of memory; one that does not fit waits, and one that could never fit is
@@ -25,7 +25,7 @@ import torch
 from wmtp.config import ModelConfig
 from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.errors import WmtpError
-from wmtp.kernels.torch_gdn import record_width
+from wmtp.models.base import recurrent_state
 
 
 class CapacityError(WmtpError):
@@ -70,13 +70,13 @@ class Allocation:
 
 
 @dataclass(frozen=True)
-class GdnPools:
-    """Every GDN layer's states stacked [layers, ...]; the verify record too (None when nothing
-    is recorded). Layers hold views of these."""
+class StatePools:
+    """Every recurrent layer's states stacked [layers, ...]; the verify record too (None when
+    nothing is recorded). Layers hold views of these."""
 
     conv: torch.Tensor  # [L, slots + 1, C, K-1]
-    ssm: torch.Tensor  # [L, slots + 1, HV, Dk, Dv] fp32
-    verify_tokens: torch.Tensor | None  # [L, seqs * d, torch_gdn.record_width] fp32
+    ssm: torch.Tensor  # [L, slots + 1, *RecurrentState.ssm_shape] fp32
+    verify_tokens: torch.Tensor | None  # [L, seqs * d, RecurrentState.record_width] fp32
     verify_windows: torch.Tensor | None  # [L, seqs, K-1+d, C]
 
 
@@ -95,6 +95,7 @@ class MemoryManager:
     def __init__(self, model_cfg: ModelConfig, spec: SpecConfig, eng: EngineConfig, dtype: torch.dtype) -> None:
         self.cfg, self.spec, self.eng, self.dtype = model_cfg, spec, eng, dtype
         self.elt = torch.empty(0, dtype=dtype).element_size()
+        self.state = recurrent_state(model_cfg)
         self.sizes = self._plan()
         self.pages = FreeList(self.sizes.num_pages)
         self.draft_pages = FreeList(self.sizes.num_draft_pages)
@@ -102,7 +103,7 @@ class MemoryManager:
         self.state_slots = FreeList(self.sizes.num_state_slots)
         self.seq_slots = FreeList(eng.max_num_seqs)
         self.held: dict[int, tuple[Allocation, int]] = {}  # request id -> (allocation, seq slot)
-        self.gdn_pools: GdnPools | None = None  # set by bind (hybrid targets)
+        self.state_pools: StatePools | None = None  # set by bind (recurrent targets)
 
     # ---- sizing ------------------------------------------------------------------------------
     @property
@@ -118,40 +119,29 @@ class MemoryManager:
 
     @property
     def draft_slot_bytes(self) -> int:
-        return self.cfg.draft_kv_bytes_per_token(self.elt) * max(self.cfg.num_nextn_predict_layers, 1)
+        return self.cfg.draft_kv_bytes_per_token(self.elt) * max(self.cfg.num_mtp_attention_layers, 1)
 
     @property
     def state_slot_bytes(self) -> int:
-        c = self.cfg
-        if not c.is_hybrid:
-            return 0
-        conv = c.gdn_conv_dim * (c.linear_conv_kernel_dim - 1) * self.elt
-        ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-        return len(c.linear_attention_layers) * (conv + ssm)
+        st = self.state
+        return 0 if st is None else st.layers * (st.conv_bytes(self.elt) + st.ssm_bytes)
 
     @property
     def verify_seq_bytes(self) -> int:
-        """Bytes one sequence slot's verify record takes over all GDN layers: d tokens' fp32 delta-rule
-        inputs (``torch_gdn.record_width``) and K-1+d conv-window rows (0 where nothing is recorded:
-        dense or non-hybrid)."""
-        c, d = self.cfg, self.spec.verify_tokens
-        if not (c.is_hybrid and self.spec.speculative):
+        """Bytes one sequence slot's verify record takes over all recurrent layers: d tokens' fp32
+        recurrence inputs (``RecurrentState.record_width``) and K-1+d conv-window rows (0 where
+        nothing is recorded: dense mode, or no recurrent layers)."""
+        st, d = self.state, self.spec.verify_tokens
+        if st is None or not self.spec.speculative:
             return 0
-        window = (c.linear_conv_kernel_dim - 1 + d) * c.gdn_conv_dim * self.elt
-        return len(c.linear_attention_layers) * (d * self.verify_token_width * 4 + window)
-
-    @property
-    def verify_token_width(self) -> int:
-        """fp32 values a verify records per token and GDN layer (``torch_gdn.record_width``)."""
-        c = self.cfg
-        return record_width(c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads,
-                            c.linear_value_head_dim)
+        window = (st.conv_kernel - 1 + d) * st.conv_dim * self.elt
+        return st.layers * (d * st.record_width * 4 + window)
 
     def _plan(self) -> PoolSizes:
         e, s = self.eng, self.spec
         per_seq_pages = self.pages_for(e.max_model_len + s.num_draft_tokens)
         rings = e.max_num_seqs if s.uses_ring else 0
-        states = e.max_num_seqs if self.cfg.is_hybrid else 0
+        states = e.max_num_seqs if self.state is not None else 0
         verify_seqs = e.max_num_seqs if self.verify_seq_bytes else 0
         if e.num_kv_pages is not None:
             pages = e.num_kv_pages
@@ -210,30 +200,28 @@ class MemoryManager:
             dkv = torch.zeros(len(mtp), 2, draft_slots + 1, c.num_kv_heads, c.head_dim, device=device, dtype=self.dtype)
             for i, layer in enumerate(mtp):
                 layer.k_cache, layer.v_cache = dkv[i, 0], dkv[i, 1]
-        n, gdn = self.sizes.num_state_slots, model.gdn_layers()
+        n, layers, st = self.sizes.num_state_slots, model.recurrent_layers(), self.state
         self.trash_state_slot = n
-        if gdn:  # one tensor per kind, viewed per layer: the rollback moves every layer in one op
-            conv = torch.zeros(len(gdn), n + 1, c.gdn_conv_dim, c.linear_conv_kernel_dim - 1, device=device, dtype=self.dtype)
-            ssm = torch.zeros(len(gdn), n + 1, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                              device=device, dtype=torch.float32)
+        if layers:  # one tensor per kind, viewed per layer: the rollback moves every layer in one op
+            conv = torch.zeros(len(layers), n + 1, st.conv_dim, st.conv_kernel - 1, device=device, dtype=self.dtype)
+            ssm = torch.zeros(len(layers), n + 1, *st.ssm_shape, device=device, dtype=torch.float32)
             seqs, d = self.sizes.num_verify_seqs, self.spec.verify_tokens
             rec = win = None
             if seqs:
-                rec = torch.empty(len(gdn), seqs * d, self.verify_token_width, device=device,
-                                  dtype=torch.float32)
-                win = torch.empty(len(gdn), seqs, c.linear_conv_kernel_dim - 1 + d, c.gdn_conv_dim, device=device,
+                rec = torch.empty(len(layers), seqs * d, st.record_width, device=device, dtype=torch.float32)
+                win = torch.empty(len(layers), seqs, st.conv_kernel - 1 + d, st.conv_dim, device=device,
                                   dtype=self.dtype)
-            for i, layer in enumerate(gdn):
+            for i, layer in enumerate(layers):
                 layer.conv_state, layer.ssm_state = conv[i], ssm[i]
                 layer.verify_record = None if rec is None else (rec[i], win[i])
-            self.gdn_pools = model.gdn_pools = GdnPools(conv, ssm, rec, win)
+            self.state_pools = model.state_pools = StatePools(conv, ssm, rec, win)
 
     # ---- admission ---------------------------------------------------------------------------
     def need(self, total_tokens: int) -> Allocation:
         """What a request of ``total_tokens`` (prompt + max_tokens) reserves (ids left empty)."""
         n = self.pages_for(total_tokens + self.spec.num_draft_tokens)
         return Allocation(pages=[0] * n, draft_pages=[0] * n if self.draft_is_paged else [],
-                          ring=0 if self.spec.uses_ring else None, state_slot=0 if self.cfg.is_hybrid else None)
+                          ring=0 if self.spec.uses_ring else None, state_slot=0 if self.state is not None else None)
 
     def check_fits_ever(self, prompt_len: int, max_tokens: int) -> None:
         total = prompt_len + max_tokens
@@ -272,9 +260,9 @@ class MemoryManager:
             state_slot=self.state_slots.allocate(1)[0] if n.state_slot is not None else None,
         )
         if alloc.state_slot is not None:
-            if self.gdn_pools is not None:  # every GDN layer's slot at once
-                self.gdn_pools.conv[:, alloc.state_slot].zero_()
-                self.gdn_pools.ssm[:, alloc.state_slot].zero_()
+            if self.state_pools is not None:  # every recurrent layer's slot at once
+                self.state_pools.conv[:, alloc.state_slot].zero_()
+                self.state_pools.ssm[:, alloc.state_slot].zero_()
         self.held[req_id] = (alloc, self.seq_slots.allocate(1)[0])
         return alloc
 

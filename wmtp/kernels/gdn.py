@@ -17,6 +17,8 @@ launch; nothing syncs with the host. The twin is ``TorchBackend.gated_delta_net`
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from wmtp.kernels.common import arrival_counters, pdl
@@ -219,6 +221,15 @@ if triton is not None:
         tl.store(BETA_OUT + t * HV + hs, beta.to(BETA_OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _rollback_program(SLOTS, ACC, B):
+        """A rollback program's (j, layer, request b, b's state slot, b's accepted count) from its
+        ids (layer * B + b, j)."""
+        lb = tl.program_id(0)
+        b = lb % B
+        return (tl.program_id(1), (lb // B).to(tl.int64), b, tl.load(SLOTS + b).to(tl.int64),
+                tl.load(ACC + b).to(tl.int32))
+
+    @triton.jit
     def _rollback_kernel(CONV, SSM, REC, WIN, SLOTS, ACC, B, n, C, HK, HV, win_rows, rec_w, stride_cl, stride_cs,
                          stride_sl, stride_ss, stride_rl, stride_wl, V_BLOCKS, GROUP: tl.constexpr, DK: tl.constexpr,
                          DV: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr, KM1: tl.constexpr,
@@ -228,12 +239,7 @@ if triton is not None:
         (the verify's own steps, so its states to rounding); programs past those copy the conv
         window rows that end at the accepted token."""
         wait_prior(PDL)
-        lb = tl.program_id(0)
-        j = tl.program_id(1)
-        l = (lb // B).to(tl.int64)
-        b = lb % B
-        slot = tl.load(SLOTS + b).to(tl.int64)
-        a = tl.load(ACC + b).to(tl.int32)
+        j, l, b, slot, a = _rollback_program(SLOTS, ACC, B)
         if j < HV * V_BLOCKS:  # (branch-local names: Triton types each name once across both branches)
             h = j // V_BLOCKS
             ks = tl.arange(0, DK)
@@ -251,13 +257,21 @@ if triton is not None:
                 rec += rec_w
             tl.store(s_ptr, S.to(SSM.dtype.element_ty), mask=v_ok[None, :])
         else:
-            cs = (j - HV * V_BLOCKS) * BLOCK_C + tl.arange(0, BLOCK_C)
-            c_ok = cs < C
-            src = WIN + l * stride_wl + (b * win_rows + a + 1) * C + cs
-            dst = CONV + l * stride_cl + slot * stride_cs + cs * KM1
-            for r in tl.static_range(KM1):
-                w = tl.load(src + r * C, mask=c_ok)
-                tl.store(dst + r, w.to(CONV.dtype.element_ty), mask=c_ok)
+            _copy_conv_window(CONV, WIN, l, b, slot, a, j - HV * V_BLOCKS, C, win_rows, stride_cl, stride_cs, stride_wl,
+                              BLOCK_C, KM1)
+
+    @triton.jit
+    def _copy_conv_window(CONV, WIN, l, b, slot, a, cb, C, win_rows, stride_cl, stride_cs, stride_wl,
+                          BLOCK_C: tl.constexpr, KM1: tl.constexpr):
+        """A rollback's conv half (every recurrent kind's): channel block ``cb`` of layer l's conv
+        context of ``slot`` set to the window rows of request b that end at its accepted token a."""
+        cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = cs < C
+        src = WIN + l * stride_wl + (b * win_rows + a + 1) * C + cs
+        dst = CONV + l * stride_cl + slot * stride_cs + cs * KM1
+        for r in tl.static_range(KM1):
+            w = tl.load(src + r * C, mask=c_ok)
+            tl.store(dst + r, w.to(CONV.dtype.element_ty), mask=c_ok)
 
 
 def _check_gate_views(op: str, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
@@ -382,12 +396,12 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
     return y, new_state
 
 
-def fla_available(device: torch.device) -> bool:
-    """flash-linear-attention's chunked kernels (optional ``gpu`` extra) run on CUDA devices."""
+def fla_available(device: torch.device, ops: str = "gated_delta_rule") -> bool:
+    """flash-linear-attention's ``fla.ops.<ops>`` kernels (optional ``gpu`` extra) run on CUDA devices."""
     if device.type != "cuda":
         return False
     try:
-        import fla.ops.gated_delta_rule  # noqa: F401
+        importlib.import_module(f"fla.ops.{ops}")
     except ImportError:
         return False
     return True
@@ -414,6 +428,21 @@ def gdn_chunked_fla(conv_out: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     return o[0]
 
 
+def check_rollback(op: str, conv: torch.Tensor, ssm: torch.Tensor, rec_tokens: torch.Tensor, rec_windows: torch.Tensor,
+                   slots: torch.Tensor, accepted: torch.Tensor, n: int, width_ok: bool) -> None:
+    """A rollback launch's inputs (every recurrent kind's): the layouts ``torch_gdn.rollback_states``
+    states, contiguous, with ``width_ok`` (the record width the kind's shapes give)."""
+    L, B, C, km1 = ssm.shape[0], slots.shape[0], conv.shape[2], conv.shape[3]
+    shapes_ok = (width_ok and rec_tokens.dim() == 3 and rec_tokens.shape[0] == L and rec_tokens.shape[1] >= B * n
+                 and rec_tokens.dtype == torch.float32 and rec_windows.shape[0] == L and rec_windows.shape[1] >= B
+                 and rec_windows.shape[2:] == (km1 + n, C) and conv.shape[0] == L and accepted.shape == slots.shape)
+    if not shapes_ok or not all(t.is_contiguous() for t in (conv, ssm, rec_tokens, rec_windows)):
+        raise ValueError(f"{op}: conv {tuple(conv.shape)}, ssm {tuple(ssm.shape)}, rec_tokens "
+                         f"{tuple(rec_tokens.shape)} {rec_tokens.dtype}, rec_windows {tuple(rec_windows.shape)}, slots "
+                         f"{tuple(slots.shape)}, accepted {tuple(accepted.shape)} disagree for {B} requests of {n} "
+                         f"tokens (all contiguous; fp32 token rows of record_width)")
+
+
 def rollback_states(conv: torch.Tensor, ssm: torch.Tensor, rec_tokens: torch.Tensor, rec_windows: torch.Tensor,
                     slots: torch.Tensor, accepted: torch.Tensor, n: int) -> None:
     """``torch_gdn.rollback_states`` (its twin) in one launch, every layer at once: each request's
@@ -425,15 +454,8 @@ def rollback_states(conv: torch.Tensor, ssm: torch.Tensor, rec_tokens: torch.Ten
     C, km1 = conv.shape[2], conv.shape[3]
     rec_w = rec_tokens.shape[-1]
     HK = (rec_w - HV * DV - 2 * HV) // DK if DK else 0
-    shapes_ok = (rec_tokens.dim() == 3 and rec_tokens.shape[0] == L and rec_tokens.shape[1] >= B * n
-                 and HK >= 1 and HV % HK == 0 and record_width(HK, DK, HV, DV) == rec_w
-                 and rec_tokens.dtype == torch.float32 and rec_windows.shape[0] == L and rec_windows.shape[1] >= B
-                 and rec_windows.shape[2:] == (km1 + n, C) and conv.shape[0] == L and accepted.shape == slots.shape)
-    if not shapes_ok or not all(t.is_contiguous() for t in (conv, ssm, rec_tokens, rec_windows)):
-        raise ValueError(f"rollback_states: conv {tuple(conv.shape)}, ssm {tuple(ssm.shape)}, rec_tokens "
-                         f"{tuple(rec_tokens.shape)} {rec_tokens.dtype}, rec_windows {tuple(rec_windows.shape)}, slots "
-                         f"{tuple(slots.shape)}, accepted {tuple(accepted.shape)} disagree for {B} requests of {n} "
-                         f"tokens (all contiguous; fp32 token rows of record_width)")
+    check_rollback("rollback_states", conv, ssm, rec_tokens, rec_windows, slots, accepted, n,
+                   HK >= 1 and HV % HK == 0 and record_width(HK, DK, HV, DV) == rec_w)
     if B == 0:
         return
     block_v, block_c = min(DECODE_BLOCK_V, triton.next_power_of_2(DV)), 1024

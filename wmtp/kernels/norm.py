@@ -25,34 +25,37 @@ if triton is not None:
     from wmtp.kernels.common import wait_prior
 
     @triton.jit
-    def _rms_row(x, W, OUT, cols, ok, D, eps, OFFSET: tl.constexpr):
-        """One row ``x`` (fp32, masked lanes 0) RMS-normed and weighted by ``W[cols]``, rounded as
-        the reference rounds for an output of OUT's dtype; returned in fp32."""
-        h = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    def _rms_row(x, W, OUT, cols, D, eps, OFFSET: tl.constexpr):
+        """Rows ``x`` [R, BLOCK_D] (fp32, masked lanes 0) RMS-normed and weighted by ``W[cols]``,
+        rounded as the reference rounds for an output of OUT's dtype; returned in fp32."""
+        h = x * tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+        w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
         if OFFSET:
             return h * (1.0 + w)
         # the reference casts the norm to the input dtype before the weight multiply
         return (h.to(OUT.dtype.element_ty).to(tl.float32) * w).to(W.dtype.element_ty).to(tl.float32)
 
     @triton.jit
-    def _rms_norm_kernel(X, W, Z, RES, SUM_OUT, OUT, D, eps, z_n1, z_n2, z_s0, z_s1, z_s2, OFFSET: tl.constexpr,
-                         GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    def _rms_norm_kernel(X, W, Z, RES, SUM_OUT, OUT, N, D, eps, z_n1, z_n2, z_s0, z_s1, z_s2, OFFSET: tl.constexpr,
+                         GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+                         PDL: tl.constexpr):
+        """Rows ``pid * ROWS ..`` of the N x D input (ROWS = 1 on a GPU: one row per program)."""
         wait_prior(PDL)
-        row = tl.program_id(0).to(tl.int64)
+        row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
         cols = tl.arange(0, BLOCK_D)
-        ok = cols < D
-        x = tl.load(X + row * D + cols, mask=ok, other=0.0)
+        ok = (row < N) & (cols[None, :] < D)
+        at = row * D + cols[None, :]
+        x = tl.load(X + at, mask=ok, other=0.0)
         if RESIDUAL:  # x + residual, rounded to the activation dtype as the reference's add is
-            x = x + tl.load(RES + row * D + cols, mask=ok, other=0.0)
-            tl.store(SUM_OUT + row * D + cols, x, mask=ok)
-        y = _rms_row(x.to(tl.float32), W, OUT, cols, ok, D, eps, OFFSET)
+            x = x + tl.load(RES + at, mask=ok, other=0.0)
+            tl.store(SUM_OUT + at, x, mask=ok)
+        y = _rms_row(x.to(tl.float32), W, OUT, cols, D, eps, OFFSET)
         if GATED:
             # gate row = (i0, i1, i2) of a [n0, n1, n2, D] strided view (e.g. z inside the fused projection)
             z_row = Z + (row // (z_n1 * z_n2)) * z_s0 + (row // z_n2 % z_n1) * z_s1 + (row % z_n2) * z_s2
-            z = tl.load(z_row + cols, mask=ok, other=0.0).to(tl.float32)
+            z = tl.load(z_row + cols[None, :], mask=ok, other=0.0).to(tl.float32)
             y = y * (z / (1.0 + tl.exp(-z)))
-        tl.store(OUT + row * D + cols, y.to(OUT.dtype.element_ty), mask=ok)
+        tl.store(OUT + at, y.to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _embed_norm_cat_kernel(IDS, E, HID, WE, WH, OUT, D, stride_ids, eps, OFFSET: tl.constexpr,
@@ -63,14 +66,15 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_D)
         ok = cols < D
         row = tl.where(part == 0, E + tl.load(IDS + t * stride_ids) * D, HID + t * D)
-        x = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
-        y = _rms_row(x, tl.where(part == 0, WE, WH), OUT, cols, ok, D, eps, OFFSET)
+        x = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)[None, :]
+        y = tl.reshape(_rms_row(x, tl.where(part == 0, WE, WH), OUT, cols, D, eps, OFFSET), (BLOCK_D,))
         tl.store(OUT + (2 * t + part) * D + cols, y.to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _normed(X, W, idx, ok, rstd, NORM: tl.constexpr, OFFSET: tl.constexpr):
-        """Channels ``idx`` of one head, RMS-normed with ``rstd`` (when NORM), rounded to X's dtype
-        as the reference's norm output is; returned in fp32."""
+        """Channels ``idx`` [1, C] of the heads at row pointers X, W [R, 1], RMS-normed with
+        ``rstd`` [R, 1] (when NORM), rounded to X's dtype as the reference's norm output is;
+        returned in fp32 [R, C]."""
         x = tl.load(X + idx, mask=ok, other=0.0)
         if not NORM:
             return x.to(tl.float32)
@@ -85,11 +89,13 @@ if triton is not None:
     @triton.jit
     def _norm_rope_kernel(X, W, OUT, X2, W2, OUT2, COS, SIN, stride_xt, stride_xh, stride_x2t, stride_x2h, stride_ct,
                           H, H2, T, D, HALF, eps, NORM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
-        """Program (token, head) of X's T x H heads, then of X2's T x H2 (the second tensor of the
-        launch: k after q, with its own strides and norm weight; H2 = 0 for one tensor)."""
+                          BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+        """Rows (token, head) ``pid * ROWS ..`` of X's T x H heads, then of X2's T x H2 (the second
+        tensor of the launch: k after q, with its own strides and norm weight; H2 = 0 for one
+        tensor). ROWS = 1 on a GPU: one head per program."""
         wait_prior(PDL)
-        pid = tl.program_id(0)
+        pid = (tl.program_id(0) * ROWS + tl.arange(0, ROWS))[:, None]
+        live = pid < T * (H + H2)
         second = pid >= T * H
         p = tl.where(second, pid - T * H, pid)
         heads = tl.where(second, H2, H)
@@ -98,14 +104,14 @@ if triton is not None:
         x_row = tl.where(second, X2 + t * stride_x2t + h * stride_x2h, X + t * stride_xt + h * stride_xh)
         w = tl.where(second, W2, W)
         out_row = tl.where(second, OUT2, OUT) + p.to(tl.int64) * D
-        rstd = 0.0
+        rstd = tl.zeros((ROWS, 1), dtype=tl.float32)
         if NORM:
-            cols = tl.arange(0, BLOCK_D)
-            x = tl.load(x_row + cols, mask=cols < D, other=0.0).to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+            cols = tl.arange(0, BLOCK_D)[None, :]
+            x = tl.load(x_row + cols, mask=live & (cols < D), other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
         # rotate_half over the first 2*HALF channels: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
-        i = tl.arange(0, BLOCK_R)
-        ok = i < HALF
+        i = tl.arange(0, BLOCK_R)[None, :]
+        ok = live & (i < HALF)
         x1 = _normed(x_row, w, i, ok, rstd, NORM, OFFSET)
         x2 = _normed(x_row, w, i + HALF, ok, rstd, NORM, OFFSET)
         c = tl.load(COS + t * stride_ct + i, mask=ok, other=0.0).to(tl.float32)
@@ -114,8 +120,9 @@ if triton is not None:
         tl.store(out_row + i, (x1 * c - x2 * s).to(dt), mask=ok)
         tl.store(out_row + i + HALF, (x2 * c + x1 * s).to(dt), mask=ok)
         for r0 in range(2 * HALF, D, BLOCK_P):  # channels past the rotary part pass through (normed)
-            j = r0 + tl.arange(0, BLOCK_P)
-            tl.store(out_row + j, _normed(x_row, w, j, j < D, rstd, NORM, OFFSET).to(dt), mask=j < D)
+            j = r0 + tl.arange(0, BLOCK_P)[None, :]
+            pas = live & (j < D)
+            tl.store(out_row + j, _normed(x_row, w, j, pas, rstd, NORM, OFFSET).to(dt), mask=pas)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
@@ -139,9 +146,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
         z = z if z.dim() == 4 else z.view(-1, 1, 1, D) if z.is_contiguous() else z.contiguous().view(-1, 1, 1, D)
         zn, zs = z.shape[1:3], z.stride()[:3]
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, z, x2, x2, out, D, eps, *zn, *zs, OFFSET=offset,
-                                         GATED=gate is not None, RESIDUAL=False, BLOCK_D=triton.next_power_of_2(D),
-                                         **pdl(x.device))
+        rows = launch_tile(1, x2.shape[0], cap=64)
+        _rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
+            x2, weight, z, x2, x2, out, x2.shape[0], D, eps, *zn, *zs, OFFSET=offset, GATED=gate is not None,
+            RESIDUAL=False, BLOCK_D=triton.next_power_of_2(D), ROWS=rows, **pdl(x.device))
     return out.view(x.shape)
 
 
@@ -155,9 +163,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     x2, r2 = x.reshape(-1, D).contiguous(), residual.reshape(-1, D).contiguous()
     out, summed = torch.empty_like(x2), torch.empty_like(x2)
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, x2, r2, summed, out, D, eps, 1, 1, D, 0, 0, OFFSET=offset,
-                                         GATED=False, RESIDUAL=True, BLOCK_D=triton.next_power_of_2(D),
-                                         **pdl(x.device))
+        rows = launch_tile(1, x2.shape[0], cap=64)
+        _rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
+            x2, weight, x2, r2, summed, out, x2.shape[0], D, eps, 1, 1, D, 0, 0, OFFSET=offset, GATED=False,
+            RESIDUAL=True, BLOCK_D=triton.next_power_of_2(D), ROWS=rows, **pdl(x.device))
     return out.view(x.shape), summed.view(x.shape)
 
 
@@ -218,9 +227,10 @@ def _norm_rope_launch(parts, cos: torch.Tensor, sin: torch.Tensor, eps: float, o
     if T:
         cos, sin = (c if c.stride(-1) == 1 else c.contiguous() for c in (cos, sin))
         rot = cos.shape[-1]
-        _norm_rope_kernel[(T * (H + H2),)](
+        rows = launch_tile(1, T * (H + H2), cap=64)
+        _norm_rope_kernel[(triton.cdiv(T * (H + H2), rows),)](
             x, x if w is None else w, out, x2, x2 if w2 is None else w2, out2, cos, sin, x.stride(0), x.stride(1),
             x2.stride(0), x2.stride(1), cos.stride(0), H, H2, T, D, rot // 2, eps, NORM=w is not None, OFFSET=offset,
             BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(rot // 2),
-            BLOCK_P=launch_tile(triton.next_power_of_2(rot // 2), D - rot), **pdl(x.device))
+            BLOCK_P=launch_tile(triton.next_power_of_2(rot // 2), D - rot), ROWS=rows, **pdl(x.device))
     return tuple(outs)

@@ -36,6 +36,8 @@ __all__ = [
     "gdn_gates",
     "l2_normalize",
     "record_width",
+    "rollback_conv",
+    "replay_states",
     "rollback_states",
     "verify_record",
 ]
@@ -354,19 +356,39 @@ def rollback_states(conv: Tensor, ssm: Tensor, rec_tokens: Tensor, rec_windows: 
     state (no host sync: later tokens are masked). conv [L, slots, C, K-1], ssm [L, slots, HV, Dk,
     Dv], rec_tokens [L, >= B*n, record_width] (request b's token t at row b*n + t), rec_windows
     [L, >= B, K-1+n, C] (the old context then the inputs); slots, accepted [B] device tensors."""
-    L, B = ssm.shape[0], slots.shape[0]
+    B = slots.shape[0]
     HV, DK, DV = ssm.shape[2:]
     HK = (rec_tokens.shape[-1] - HV * DV - 2 * HV) // DK
-    for l in range(L):
-        for b in range(B):
-            S = ssm[l, slots[b]].to(rec_tokens.dtype)
-            for t in range(n):
-                k, v, g, beta = rec_tokens[l, b * n + t].split([HK * DK, HV * DV, HV, HV])
-                k = k.view(HK, DK).repeat_interleave(HV // HK, dim=0)
-                S = torch.where(t <= accepted[b], delta_rule_step(S, k, v.view(HV, DV), g.exp(), beta), S)
-            ssm[l, slots[b]] = S.to(ssm.dtype)
+
+    def step(S: Tensor, row: Tensor) -> Tensor:
+        k, v, g, beta = row.split([HK * DK, HV * DV, HV, HV], dim=-1)
+        k = k.reshape(B, HK, DK).repeat_interleave(HV // HK, dim=1).view(B * HV, DK)
+        return delta_rule_step(S, k, v.reshape(B * HV, DV), g.exp().flatten(), beta.flatten())
+
+    replay_states(ssm, rec_tokens, slots, accepted, n, step)
+    rollback_conv(conv, rec_windows, slots, accepted)
+
+
+def replay_states(ssm: Tensor, rec_tokens: Tensor, slots: Tensor, accepted: Tensor, n: int, step) -> None:
+    """The state half of a rollback (every recurrent kind's): ssm [L, slots, H, ...] of ``slots``
+    [B] advanced by ``step(S [B * H, ...], record rows [B, record_width])`` through each request's
+    recorded tokens 0..accepted[b] (later ones masked: no host sync). The B requests' heads run
+    side by side; each head's arithmetic is its own."""
+    B, H = slots.shape[0], ssm.shape[2]
+    for l in range(ssm.shape[0]):
+        S = ssm[l, slots].to(rec_tokens.dtype).flatten(0, 1)
+        rows = rec_tokens[l, : B * n].view(B, n, -1)
+        for t in range(n):
+            S = torch.where((t <= accepted).repeat_interleave(H).view(-1, *[1] * (S.dim() - 1)), step(S, rows[:, t]), S)
+        ssm[l, slots] = S.view(B, *ssm.shape[2:]).to(ssm.dtype)
+
+
+def rollback_conv(conv: Tensor, rec_windows: Tensor, slots: Tensor, accepted: Tensor) -> None:
+    """The conv half of a rollback (every recurrent layer kind's): conv [L, slots, C, K-1] of
+    ``slots`` [B] to the K-1 inputs ending at verify token ``accepted[b]``, read from the verify's
+    windows [L, >= B, K-1+n, C] (the old context, then the n inputs)."""
+    B, k1 = slots.shape[0], conv.shape[-1]
     # conv state after token a = the K-1 inputs ending at window row a + K-1
-    k1 = conv.shape[-1]
     idx = (accepted[:, None] + 1 + torch.arange(k1, device=accepted.device))[None, :, :, None]
     win = rec_windows[:, :B]
     conv[:, slots] = win.gather(2, idx.expand(win.shape[0], B, k1, win.shape[-1])).transpose(2, 3).to(conv.dtype)

@@ -5,8 +5,8 @@ Per head h (H heads of P channels, sharing the B / C of group h // (H / G) of G 
     dt_t  = clamp(softplus(dt_raw_t + dt_bias), dt_min, dt_max)        (the config's time-step limit)
     S_t   = exp(dt_t * A) * S_{t-1} + dt_t * x_t ⊗ B_t                 S [H, P, N], A = -exp(A_log) < 0
     y_t   = S_t @ C_t + D * x_t
-``ssd_recurrent`` runs that token by token (decode, verify, and the replay of a rollback);
-``ssd_chunked`` runs it in chunks of L tokens (prefill): within a chunk, with the inclusive cumulative
+``ssd_recurrent`` runs that token by token (decode, verify, and the replay of a rollback,
+``ssd_step``); ``ssd_chunked`` runs it in chunks of L tokens (prefill): within a chunk, with the inclusive cumulative
 log-decay c_t = sum_{s<=t} dt_s A,
     y_t = exp(c_t) * S_prev @ C_t + sum_{s<=t} exp(c_t - c_s) (C_t . B_s) dt_s x_s + D x_t
     S   = exp(c_L) * S_prev + sum_s exp(c_L - c_s) dt_s x_s ⊗ B_s,
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from wmtp.kernels.common import acc_dtype
+from wmtp.kernels.torch_gdn import RECURRENT_MAX_TOKENS, replay_states, rollback_conv
 
 
 def ssd_gates(dt_raw: Tensor, dt_bias: Tensor, A_log: Tensor, dt_limit: tuple[float, float]) -> tuple[Tensor, Tensor]:
@@ -52,6 +53,12 @@ def _start(state: Tensor | None, H: int, P: int, N: int, like: Tensor) -> Tensor
     return like.new_zeros(H, P, N, dtype=f) if state is None else state.to(device=like.device, dtype=f)
 
 
+def ssd_step(S: Tensor, x: Tensor, dt: Tensor, decay: Tensor, B: Tensor) -> Tensor:
+    """One token on S [H, P, N]: x [H, P], dt and decay = exp(dt * A) [H], B [H, N] (each head's
+    group vector), all in S's dtype."""
+    return S * decay[:, None, None] + (dt[:, None] * x)[:, :, None] * B[:, None, :]
+
+
 def ssd_recurrent(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
                   state: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Token by token. x [T, H, P]; dt [T, H] (gated, ``ssd_gates``); A, D [H]; B, C [T, G, N];
@@ -63,7 +70,7 @@ def ssd_recurrent(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Ten
     xf, dtf, Bh, Ch = x.to(f), dt.to(f), _heads(B.to(f), H), _heads(C.to(f), H)
     ys = []
     for t in range(T):
-        S = S * torch.exp(dtf[t] * A.to(f))[:, None, None] + (dtf[t, :, None] * xf[t])[:, :, None] * Bh[t, :, None, :]
+        S = ssd_step(S, xf[t], dtf[t], torch.exp(dtf[t] * A.to(f)), Bh[t])
         ys.append(torch.einsum("hpn,hn->hp", S, Ch[t]) + D.to(f)[:, None] * xf[t])
     y = torch.stack(ys) if ys else xf.new_empty(0, H, P)
     return y.to(x.dtype), S
@@ -91,6 +98,47 @@ def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
         S = torch.exp(cum[-1])[:, None, None] * S + torch.einsum("sh,shp,shn->hpn", tail, xs, bs)
     y = torch.cat(ys) if ys else xf.new_empty(0, H, P)
     return y.to(x.dtype), S
+
+
+def ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, chunk: int,
+        state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``ssd_recurrent`` for T <= ``RECURRENT_MAX_TOKENS`` (decode), ``ssd_chunked`` above (prefill)."""
+    if x.shape[0] <= RECURRENT_MAX_TOKENS:
+        return ssd_recurrent(x, dt, A, B, C, D, state)
+    return ssd_chunked(x, dt, A, B, C, D, chunk, state)
+
+
+def record_width(heads: int, head_dim: int, groups: int, state: int) -> int:
+    """fp32 values one verify token records per Mamba2 layer (the rollback's replay input): x after
+    the conv and SiLU [H * P] | B [G * N] | dt [H] | exp(dt * A) [H], as ``ssd_step`` used them."""
+    return heads * head_dim + groups * state + 2 * heads
+
+
+def verify_record(x: Tensor, dt: Tensor, A: Tensor, B: Tensor) -> Tensor:
+    """One request's verify record [T, ``record_width``] (fp32 / fp64) from the SSD inputs x [T, H, P],
+    dt [T, H] (gated), A [H], B [T, G, N]."""
+    f = acc_dtype(x)
+    dtf = dt.to(f)
+    return torch.cat([x.to(f).flatten(1), B.to(f).flatten(1), dtf, torch.exp(dtf * A.to(f))], dim=1)
+
+
+def rollback_states(conv: Tensor, ssm: Tensor, rec_tokens: Tensor, rec_windows: Tensor, slots: Tensor,
+                    accepted: Tensor, n: int) -> None:
+    """``torch_gdn.rollback_states`` for Mamba2 layers: each request's states (as before a verify of
+    n tokens) to those after its verify token ``accepted[b]``, replaying tokens 0..accepted[b] with
+    ``ssd_step`` (later tokens masked: no host sync). conv [L, slots, C, K-1], ssm [L, slots, H, P,
+    N], rec_tokens [L, >= B*n, record_width] (request b's token t at row b*n + t), rec_windows [L,
+    >= B, K-1+n, C]; slots, accepted [B] device tensors."""
+    B = slots.shape[0]
+    H, P, N = ssm.shape[2:]
+    G = (rec_tokens.shape[-1] - H * P - 2 * H) // N
+
+    def step(S: Tensor, row: Tensor) -> Tensor:
+        x, Bg, dt, decay = row.split([H * P, G * N, H, H], dim=-1)
+        return ssd_step(S, x.reshape(B * H, P), dt.flatten(), decay.flatten(), _heads(Bg.reshape(B, G, N), H).view(B * H, N))
+
+    replay_states(ssm, rec_tokens, slots, accepted, n, step)
+    rollback_conv(conv, rec_windows, slots, accepted)
 
 
 def gated_group_rms_norm(y: Tensor, z: Tensor, weight: Tensor, group_size: int, eps: float) -> Tensor:

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from wmtp.config import Mamba2Shape
 from wmtp.engine.window import causal_key_positions
 from wmtp.kernels.common import SharedExpert, acc_dtype
 from wmtp.models.context import ForwardContext
@@ -139,6 +140,28 @@ class Backend(ABC):
         rollback_states(conv, ssm, rec_tokens, rec_windows, slots, accepted, n)
 
     @abstractmethod
+    def mamba2(self, xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+               dt_bias: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, conv_state: torch.Tensor,
+               ssm_state: torch.Tensor, ctx: ForwardContext, layer_idx: int, shape: Mamba2Shape,
+               record_into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """A Mamba2 mixer's conv + SiLU and SSD, carrying per-request state slots (``torch_mamba2``).
+
+        xbc: [T, conv_dim] pre-conv [x | B | C]; dt: [T, H] raw; conv_weight [C, K], conv_bias [C]
+        or None; dt_bias, A_log, D [H]; conv_state [slots, C, K-1]; ssm_state [slots, H, P, N] fp32.
+        Returns y [T, H * P] (before the gated norm) in xbc's dtype and updates the states
+        of ``ctx.state_slots``; with ``ctx.record_states`` (a verify) the states stay and
+        ``ctx.recorded[layer_idx]`` gets (conv windows [B, K-1+n, C], per-token SSD inputs [B*n,
+        ``torch_mamba2.record_width``]) as for ``gated_delta_net``, in ``record_into`` when given.
+        """
+
+    def mamba2_rollback(self, conv: torch.Tensor, ssm: torch.Tensor, rec_tokens: torch.Tensor,
+                        rec_windows: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor, n: int) -> None:
+        """``gdn_rollback`` for Mamba2 layers (``torch_mamba2.rollback_states``)."""
+        from wmtp.kernels.torch_mamba2 import rollback_states
+
+        rollback_states(conv, ssm, rec_tokens, rec_windows, slots, accepted, n)
+
+    @abstractmethod
     def moe(
         self,
         x: torch.Tensor,
@@ -201,29 +224,29 @@ class TorchBackend(Backend):
     def attention(self, q, k, v, k_cache, v_cache, ctx, scale, gate=None):
         self.store_kv(k, v, k_cache, v_cache, ctx.write_slots)
         out = torch.empty_like(q)
-        n_kv = k_cache.shape[1]
+        n_kv, acc = k_cache.shape[1], acc_dtype(q)
+        # requests with the same queries and window read the same key positions: one batched
+        # product per such group (each request's arithmetic is its own, as one at a time)
+        groups: dict[tuple, list[int]] = {}
         for b, (start, n) in enumerate(zip(ctx.q_starts, ctx.q_lens)):
-            if n == 0:
-                continue
-            lo = ctx.token_offsets[b]
-            window = ctx.window(b)
+            if n:
+                groups.setdefault((start, n, ctx.window(b)), []).append(b)
+        for (start, n, window), reqs in groups.items():
             q_last = start + n - 1
             # Gather only keys the rule lets some query read: O(sink + W) under a window.
             keys = causal_key_positions(q_last) if window is None else window.key_positions(start, q_last)
             keys = keys.to(q.device)
-            slots = ctx.kv_slots.slots(b, keys)
-            acc = acc_dtype(q)
-            kb, vb = k_cache[slots].to(acc), v_cache[slots].to(acc)  # [S, n_kv, D]
-            qb = q[lo : lo + n].to(acc)  # [n, H, D]
+            slots = ctx.kv_slots.group_slots(torch.tensor(reqs, device=q.device), keys)  # [G, S]
+            kb, vb = k_cache[slots].to(acc), v_cache[slots].to(acc)  # [G, S, n_kv, D]
+            rows = torch.tensor([ctx.token_offsets[b] for b in reqs], device=q.device)[:, None] + torch.arange(n, device=q.device)
+            qb = q[rows].to(acc)  # [G, n, H, D]
             qpos = torch.arange(start, q_last + 1, device=q.device)
             mask = keys[None, :] <= qpos[:, None] if window is None else window.visible(qpos[:, None], keys[None, :])
-            group = qb.shape[1] // n_kv
-            qg = qb.view(n, n_kv, group, -1)
-            scores = torch.einsum("nkgd,skd->kgns", qg, kb) * scale
-            scores = scores.masked_fill(~mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            ob = torch.einsum("kgns,skd->nkgd", probs, vb)
-            out[lo : lo + n] = ob.reshape(n, -1, ob.shape[-1]).to(q.dtype)
+            qg = qb.view(len(reqs), n, n_kv, qb.shape[2] // n_kv, -1)
+            scores = torch.einsum("bnkgd,bskd->bkgns", qg, kb) * scale
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            ob = torch.einsum("bkgns,bskd->bnkgd", probs, vb)
+            out[rows] = ob.reshape(len(reqs), n, -1, ob.shape[-1]).to(q.dtype)
         return out if gate is None else out * torch.sigmoid(gate)
 
     def gated_delta_net(self, mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, ssm_state, ctx, layer_idx,
@@ -287,6 +310,42 @@ class TorchBackend(Backend):
             ssm_state[slots] = state.view(B, hv, dk, dv).to(ssm_state.dtype)
         return o.view(n, B, hv, dv).transpose(0, 1).reshape(B * n, hv, dv)
 
+    def mamba2(self, xbc, dt, conv_weight, conv_bias, dt_bias, A_log, D, conv_state, ssm_state, ctx, layer_idx,
+               shape, record_into=None):
+        from wmtp.kernels.torch_gdn import causal_conv1d
+        from wmtp.kernels.torch_mamba2 import ssd_gates, ssd_recurrent, verify_record
+
+        m = shape
+        out = xbc.new_empty(xbc.shape[0], m.inner)
+        windows, tokens = [], []
+        for req, n in enumerate(ctx.q_lens):
+            if n == 0:
+                continue
+            lo, slot = ctx.token_offsets[req], int(ctx.state_slots[req])
+            x = xbc[lo : lo + n]
+            conv, new_conv = causal_conv1d(x, conv_weight, conv_state[slot], conv_bias)
+            xs, B, C = conv.split([m.inner, m.groups * m.state, m.groups * m.state], dim=-1)
+            xs, B, C = xs.reshape(n, m.heads, m.head_dim), B.reshape(n, m.groups, m.state), C.reshape(n, m.groups, m.state)
+            dt_g, A = ssd_gates(dt[lo : lo + n], dt_bias, A_log, m.dt_limit)
+            if ctx.record_states:  # verify: the states stay; the rollback replays the accepted tokens
+                y, _ = ssd_recurrent(xs, dt_g, A, B, C, D, ssm_state[slot])
+                windows.append(torch.cat([conv_state[slot].transpose(0, 1), x.to(conv_state.dtype)]))
+                tokens.append(verify_record(xs, dt_g, A, B))
+            else:
+                y, new_state = self._ssd(xs, dt_g, A, B, C, D, m.chunk, ssm_state[slot])
+                conv_state[slot] = new_conv.to(conv_state.dtype)
+                ssm_state[slot] = new_state.to(ssm_state.dtype)
+            out[lo : lo + n] = y.reshape(n, m.inner)
+        if ctx.record_states:
+            _keep_record(ctx, layer_idx, torch.stack(windows), torch.cat(tokens), record_into)
+        return out
+
+    def _ssd(self, x, dt, A, B, C, D, chunk, state):
+        """One request's SSD piece that updates its state (``torch_mamba2.ssd``)."""
+        from wmtp.kernels.torch_mamba2 import ssd
+
+        return ssd(x, dt, A, B, C, D, chunk, state)
+
     def moe(self, x, router_weight, gate_up, down, top_k, norm_topk_prob, shared=None):
         from wmtp.kernels.moe import route, shared_expert_reference
 
@@ -314,7 +373,7 @@ def _uniform_short(ctx) -> bool:
 
 
 def _keep_record(ctx, layer_idx: int, windows: torch.Tensor, tokens: torch.Tensor, record_into) -> None:
-    """A verify's GDN record for the rollback, in the engine's preallocated buffers when given."""
+    """A verify's recurrent-layer record for the rollback, in the engine's preallocated buffers when given."""
     if record_into is not None:
         tokens = record_into[0][: tokens.shape[0]].copy_(tokens)
         windows = record_into[1][: windows.shape[0]].copy_(windows)
@@ -417,6 +476,40 @@ class TritonBackend(TorchBackend):
         from wmtp.kernels.gdn import rollback_states
 
         rollback_states(conv, ssm, rec_tokens, rec_windows, slots, accepted, n)
+
+    def mamba2_rollback(self, conv, ssm, rec_tokens, rec_windows, slots, accepted, n):
+        if conv.dtype == torch.float64 or ssm.shape[-1] & (ssm.shape[-1] - 1):
+            return super().mamba2_rollback(conv, ssm, rec_tokens, rec_windows, slots, accepted, n)
+        from wmtp.kernels.mamba2 import rollback_states
+
+        rollback_states(conv, ssm, rec_tokens, rec_windows, slots, accepted, n)
+
+    def mamba2(self, xbc, dt, conv_weight, conv_bias, dt_bias, A_log, D, conv_state, ssm_state, ctx, layer_idx,
+               shape, record_into=None):
+        from wmtp.kernels.mamba2 import MAX_RECURRENT_TOKENS, mamba2_decode
+
+        args = (xbc, dt, conv_weight, conv_bias, dt_bias, A_log, D, conv_state, ssm_state, ctx, layer_idx, shape)
+        if (xbc.dtype == torch.float64 or max(ctx.q_lens) > MAX_RECURRENT_TOKENS or shape.conv_kernel != 4
+                or shape.state & (shape.state - 1) or not conv_state.is_contiguous()):
+            return super().mamba2(*args, record_into)  # prefill-sized pieces: the chunked form (``_ssd``)
+        n = ctx.q_lens[0]
+        if ctx.record_states and any(m != n for m in ctx.q_lens):
+            raise ValueError("record_states needs every request to have the same q_len (verify)")
+        _, q_len, tok_off = ctx.device_lens
+        y, window, tokens = mamba2_decode(xbc, dt, conv_weight, conv_bias, dt_bias, A_log, D, conv_state, ssm_state,
+                                          ctx.state_slots, tok_off, q_len, shape, n if ctx.record_states else None,
+                                          record_into)
+        if ctx.record_states:
+            ctx.recorded[layer_idx] = (window, tokens)
+        return y
+
+    def _ssd(self, x, dt, A, B, C, D, chunk, state):
+        from wmtp.kernels.gdn import fla_available
+        from wmtp.kernels.mamba2 import MAX_RECURRENT_TOKENS, ssd_chunked_fla
+
+        if x.shape[0] > MAX_RECURRENT_TOKENS and x.dtype != torch.float64 and fla_available(x.device, "simple_gla"):
+            return ssd_chunked_fla(x, dt, A, B, C, D, state)
+        return super()._ssd(x, dt, A, B, C, D, chunk, state)
 
     def capturable_moe(self, num_tokens: int, cfg, dtype: torch.dtype, quantized: bool = False) -> bool:
         """Whether ``moe`` over ``num_tokens`` avoids host syncs (CUDA-graph capture): the pair-wise

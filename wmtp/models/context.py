@@ -22,6 +22,10 @@ class KVSlots(Protocol):
 
     def slots(self, req: int, positions: torch.Tensor) -> torch.Tensor: ...
 
+    def group_slots(self, reqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[G, S] slots of the same ``positions`` [S] for each of the requests ``reqs`` [G]."""
+        ...
+
 
 @dataclass
 class PagedSlots:
@@ -33,6 +37,11 @@ class PagedSlots:
     def slots(self, req: int, positions: torch.Tensor) -> torch.Tensor:
         positions = positions.to(self.block_table.device)
         pages = self.block_table[req, torch.div(positions, self.page_size, rounding_mode="floor")]
+        return pages.long() * self.page_size + positions % self.page_size
+
+    def group_slots(self, reqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        positions = positions.to(self.block_table.device)
+        pages = self.block_table[reqs][:, torch.div(positions, self.page_size, rounding_mode="floor")]
         return pages.long() * self.page_size + positions % self.page_size
 
     def batch_slots(self, positions: torch.Tensor, num_pages: torch.Tensor, trash: torch.Tensor) -> torch.Tensor:
@@ -55,6 +64,10 @@ class RingSlots:
     def slots(self, req: int, positions: torch.Tensor) -> torch.Tensor:
         positions = positions.to(self.base.device)
         return self.base[req].long() + self.window.ring_slot(positions, self.num_draft_tokens)
+
+    def group_slots(self, reqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        positions = positions.to(self.base.device)
+        return self.base[reqs].long()[:, None] + self.window.ring_slot(positions, self.num_draft_tokens)
 
     def batch_slots(self, positions: torch.Tensor, active: torch.Tensor, trash: torch.Tensor) -> torch.Tensor:
         """Slots of ``positions`` [B, n] (device tensors, no host sync) for the rows where

@@ -136,6 +136,7 @@ class Attention(nn.Module):
             self.q_norm = make_norm(cfg, cfg.head_dim, backend)
             self.k_norm = make_norm(cfg, cfg.head_dim, backend)
         self.qk_norm, self.eps, self.norm_offset = cfg.qk_norm, cfg.rms_norm_eps, cfg.norm_offset
+        assert not (cfg.qk_norm and cfg.rope.get("rope_type") == "none"), "NoPE attention has no q / k norm here"
         self.scale = cfg.head_dim**-0.5
 
     def _norm_weight(self, norm: str) -> torch.Tensor | None:
@@ -145,14 +146,18 @@ class Attention(nn.Module):
         t = k.shape[0]
         return k.view(t, self.num_kv_heads, self.head_dim), v.view(t, self.num_kv_heads, self.head_dim)
 
-    def write_kv(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> None:
+    def write_kv(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, ctx: ForwardContext
+                 ) -> None:
         """Fill cache slots without attending (draft-prefill sparsification, DESIGN §4): the K / V
-        rows only (K normed and rotated), no query."""
+        rows only (K normed and rotated), no query. ``cos_sin`` None: no position encoding (NoPE,
+        whose models have no q / k norm either)."""
         k, v = self._kv_heads(*self.qkv_proj.forward_parts(x, "k_proj", "v_proj"))
-        k = self.backend.norm_rope(k, *cos_sin, self._norm_weight("k_norm"), self.eps, self.norm_offset)
+        if cos_sin is not None:
+            k = self.backend.norm_rope(k, *cos_sin, self._norm_weight("k_norm"), self.eps, self.norm_offset)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.write_slots)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, ctx: ForwardContext
+                ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         gate = None
@@ -161,8 +166,9 @@ class Attention(nn.Module):
         else:
             q = q.view(t, self.num_heads, self.head_dim)
         k, v = self._kv_heads(k, v)
-        q, k = self.backend.qk_norm_rope(q, k, *cos_sin, self._norm_weight("q_norm"), self._norm_weight("k_norm"),
-                                         self.eps, self.norm_offset)  # per-head q/k norm (if any) and RoPE
+        if cos_sin is not None:  # per-head q/k norm (if any) and RoPE
+            q, k = self.backend.qk_norm_rope(q, k, *cos_sin, self._norm_weight("q_norm"), self._norm_weight("k_norm"),
+                                             self.eps, self.norm_offset)
         o = self.backend.attention(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, gate)
         return self.o_proj(o.reshape(t, -1))
 

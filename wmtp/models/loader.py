@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 from wmtp.config import ModelConfig
 from wmtp.errors import CheckpointError, ConfigError
+from wmtp.models.base import TargetLM
 from wmtp.models.layers import Experts, GatedDeltaNet, Linear, PackedLinear, RMSNorm
 from wmtp.models.model import CausalLM
+from wmtp.models.nemotron_h import Mamba2Mixer, NemotronHCausalLM
 from wmtp.quant import QuantConfig, QuantFormat
 
 log = logging.getLogger("wmtp")
@@ -53,14 +55,12 @@ def lm_prefix(cfg: ModelConfig) -> str:
 def _model_class(cfg: ModelConfig) -> type:
     """The model class of ``cfg``'s family (Nemotron-H's blocks are their own module)."""
     if cfg.family == "mamba_hybrid":
-        from wmtp.models.nemotron_h import NemotronHCausalLM
-
         return NemotronHCausalLM
     return CausalLM
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype, backend: str = "torch",
-                quant: QuantConfig | None = None) -> CausalLM:
+                quant: QuantConfig | None = None) -> TargetLM:
     """Allocate an uninitialised model directly on ``device`` in ``dtype`` (no CPU staging); with
     ``quant`` its linears and experts hold that format's tensors (those ``quant`` excludes stay in
     ``dtype``)."""
@@ -104,7 +104,7 @@ class QuantGroup:
         return (*lead, self.rows)
 
 
-def _quantize_modules(model: CausalLM, quant: QuantConfig) -> None:
+def _quantize_modules(model: TargetLM, quant: QuantConfig) -> None:
     """Swap the weights of every ``Linear`` and ``Experts`` the config does not exclude for the
     format's tensors. A packed projection (q/k/v, the GDN in-projections) is quantized whole or
     left whole: a config that excludes only some of its parts is an error naming them."""
@@ -130,7 +130,7 @@ def _quantize_modules(model: CausalLM, quant: QuantConfig) -> None:
     model.quant = quant
 
 
-def quant_groups(model: CausalLM) -> list[QuantGroup]:
+def quant_groups(model: TargetLM) -> list[QuantGroup]:
     """Every quantized checkpoint weight of ``model`` (empty for a model in one float dtype)."""
     if model.quant is None:
         return []
@@ -151,13 +151,13 @@ def quant_groups(model: CausalLM) -> list[QuantGroup]:
     return out
 
 
-def _quant_params(model: CausalLM) -> set[str]:
+def _quant_params(model: TargetLM) -> set[str]:
     """Names of the parameters that hold quantized weights (loaded and written by group)."""
     return {f"{g.param}.{s}" for g in quant_groups(model) for s in g.fmt.suffixes}
 
 
 @torch.no_grad()
-def _load_quant(model: CausalLM, groups: list[QuantGroup], names: dict[str, Path]) -> tuple[set[str], list[str]]:
+def _load_quant(model: TargetLM, groups: list[QuantGroup], names: dict[str, Path]) -> tuple[set[str], list[str]]:
     """Read, check and place every quantized weight; returns the checkpoint names used and those
     missing."""
     from safetensors import safe_open
@@ -188,7 +188,7 @@ def _load_quant(model: CausalLM, groups: list[QuantGroup], names: dict[str, Path
     return used, missing
 
 
-def _quant_state(model: CausalLM) -> dict[str, torch.Tensor]:
+def _quant_state(model: TargetLM) -> dict[str, torch.Tensor]:
     """Every quantized weight under its checkpoint names, in the checkpoint's layout (per expert)."""
     params = dict(model.named_parameters())
     out = {}
@@ -200,7 +200,7 @@ def _quant_state(model: CausalLM) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def _init_quant_(model: CausalLM, gen: torch.Generator, std: float, out_std: float) -> None:
+def _init_quant_(model: TargetLM, gen: torch.Generator, std: float, out_std: float) -> None:
     """Random quantized weights: each checkpoint weight drawn as ``init_random_`` draws a float one
     (all experts of a projection at once), then quantized to nearest (its own scales, as a real
     checkpoint's parts and experts have)."""
@@ -215,7 +215,7 @@ def _init_quant_(model: CausalLM, gen: torch.Generator, std: float, out_std: flo
 
 
 @torch.no_grad()
-def init_random_(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
+def init_random_(model: TargetLM, seed: int = 0, std: float = 0.02) -> TargetLM:
     """Small-variance random init on the model's device: activations stay finite at depth.
 
     Output projections are scaled by 1/sqrt(2 * layers) (GPT-2 style) so the residual stream does
@@ -247,6 +247,15 @@ def init_random_(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
             m.A_log.copy_(a.log())
             k = m.conv1d.weight.shape[-1]
             m.conv1d.weight.normal_(0.0, 1.0 / math.sqrt(k), generator=gen)
+        elif isinstance(m, Mamba2Mixer):  # as the reference: dt in [1e-3, 0.1] log-uniform, A in [1, 16], D = 1
+            m.norm.weight.fill_(1.0)
+            m.D.fill_(1.0)
+            dt = torch.empty(m.dt_bias.shape, device=device, dtype=torch.float32).uniform_(
+                math.log(1e-3), math.log(0.1), generator=gen).exp()
+            m.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1
+            a = torch.empty(m.A_log.shape, device=device, dtype=torch.float32).uniform_(1.0, 16.0, generator=gen)
+            m.A_log.copy_(a.log())
+            m.conv1d.weight.normal_(0.0, 1.0 / math.sqrt(m.conv1d.weight.shape[-1]), generator=gen)
     return model
 
 
@@ -312,7 +321,7 @@ def packed_linear_parts(model: torch.nn.Module) -> dict[str, tuple[str, str, sli
     return out
 
 
-def _targets(model: CausalLM, ckpt_names: list[str]) -> dict[str, _Target]:
+def _targets(model: TargetLM, ckpt_names: list[str]) -> dict[str, _Target]:
     """Map checkpoint names to destinations: a parameter, a packed projection's rows, or one
     expert's slice of a packed expert tensor."""
     cfg = model.config
@@ -342,7 +351,7 @@ def _targets(model: CausalLM, ckpt_names: list[str]) -> dict[str, _Target]:
     return out
 
 
-def _missing_tensors(model: CausalLM, whole: set[str], pieces: dict[str, set]) -> list[str]:
+def _missing_tensors(model: TargetLM, whole: set[str], pieces: dict[str, set]) -> list[str]:
     """Checkpoint names of everything not loaded; per-expert and per-projection gaps are named one
     by one."""
     cfg = model.config
@@ -371,7 +380,7 @@ def _to_checkpoint_name(cfg: ModelConfig, ours: str) -> str:
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, ckpt: Path, names: dict[str, Path]) -> None:
+def load_weights(model: TargetLM, ckpt: Path, names: dict[str, Path]) -> None:
     """Copy every checkpoint tensor into its parameter; fail on a missing tensor or wrong shape."""
     from safetensors import safe_open
 
@@ -408,7 +417,7 @@ def load_weights(model: CausalLM, ckpt: Path, names: dict[str, Path]) -> None:
 
 def load_checkpoint(
     path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None, backend: str = "torch"
-) -> CausalLM:
+) -> TargetLM:
     ckpt = Path(path)
     if not ckpt.is_dir():
         raise CheckpointError(f"{ckpt}: not a checkpoint directory")
@@ -442,7 +451,7 @@ def unpacked_state_dict(module: torch.nn.Module, skip: set[str] = frozenset()) -
     return out
 
 
-def checkpoint_state(model: CausalLM, expert_layout: str = "per_expert") -> dict[str, torch.Tensor]:
+def checkpoint_state(model: TargetLM, expert_layout: str = "per_expert") -> dict[str, torch.Tensor]:
     """The model's tensors under HF checkpoint names, experts per expert or packed."""
     if expert_layout not in ("per_expert", "packed"):
         raise ValueError(f"expert_layout={expert_layout!r}; supported: ['packed', 'per_expert']")
@@ -467,7 +476,7 @@ def checkpoint_state(model: CausalLM, expert_layout: str = "per_expert") -> dict
 
 
 def save_checkpoint(
-    model: CausalLM,
+    model: TargetLM,
     out: str | Path,
     expert_layout: str = "per_expert",
     max_shard_bytes: int = 4 << 30,

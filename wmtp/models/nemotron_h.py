@@ -11,26 +11,22 @@
 
 State-dict names are the checkpoints' (``backbone.embeddings``, ``backbone.layers.{i}.mixer.*``,
 ``backbone.norm_f``, ``lm_head``; experts per expert, ``mixer.experts.{e}.up_proj``), so loading is a
-name lookup; the attention's q / k / v are packed as in ``layers.Attention``. The CPU reference path
-(``backend="torch"``) so far: ``forward`` / ``score`` / ``mtp_forward`` over the model's own
-contiguous caches (``bind_caches``); the engine's pools and the speculative verify come next.
+name lookup; the attention's q / k / v are packed as in ``layers.Attention``. The Mamba2 mixers
+run through the backend's ``mamba2`` op (the torch reference on every device so far).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from wmtp.config import ModelConfig
-from wmtp.kernels.common import acc_dtype
-from wmtp.kernels.torch_gdn import causal_conv1d
-from wmtp.kernels.torch_mamba2 import gated_group_rms_norm, ssd_chunked, ssd_gates
+from wmtp.kernels.torch_mamba2 import gated_group_rms_norm
 from wmtp.kernels.torch_relu2_moe import relu2_experts, sigmoid_route
 from wmtp.models.backend import Backend, get_backend
-from wmtp.models.context import ForwardContext, PagedSlots
+from wmtp.models.base import TargetLM
+from wmtp.models.context import ForwardContext
 from wmtp.models.layers import Attention, Linear, embed_norm_cat, make_norm
 
 
@@ -39,15 +35,18 @@ def _vector(n: int) -> nn.Parameter:
 
 
 class Mamba2Mixer(nn.Module):
-    """One Mamba2 mixer; ``conv_state`` [slots, C, K-1] and ``ssm_state`` [slots, H, P, N] (fp32)
-    are bound by the owner of the caches."""
+    """One Mamba2 mixer; ``conv_state`` [slots, C, K-1], ``ssm_state`` [slots, H, P, N] (fp32) and
+    the verify record are bound by the owner of the caches."""
 
     conv_state: torch.Tensor
     ssm_state: torch.Tensor
+    # (tokens [rows, torch_mamba2.record_width] fp32, windows [seqs, K-1+d, C]) a verify records into
+    verify_record: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __init__(self, cfg: ModelConfig, backend: Backend) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: Backend) -> None:
         super().__init__()
         m = self.shape = cfg.mamba
+        self.layer_idx, self.backend = layer_idx, backend
         self.in_proj = Linear(cfg.hidden_size, m.inner + m.conv_dim + m.heads, False, backend)
         self.conv1d = nn.Module()  # HF's Conv1d weight [C, 1, K] (and bias [C])
         self.conv1d.weight = nn.Parameter(torch.empty(m.conv_dim, 1, m.conv_kernel))
@@ -59,21 +58,10 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = Linear(m.inner, cfg.hidden_size, False, backend)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        if ctx.record_states:
-            raise NotImplementedError("Mamba2Mixer: a speculative verify (record_states) is not supported yet")
         m = self.shape
         z, xbc, dt = self.in_proj(x).split([m.inner, m.conv_dim, m.heads], dim=-1)
-        y = torch.empty(x.shape[0], m.inner, device=x.device, dtype=acc_dtype(x))
-        weight = self.conv1d.weight.squeeze(1)
-        for req, n in enumerate(ctx.q_lens):
-            lo, slot = ctx.token_offsets[req], ctx.state_slots[req]
-            conv, self.conv_state[slot] = causal_conv1d(xbc[lo:lo + n], weight, self.conv_state[slot], self.conv1d.bias)
-            xs, B, C = conv.split([m.inner, m.groups * m.state, m.groups * m.state], dim=-1)
-            dt_g, A = ssd_gates(dt[lo:lo + n], self.dt_bias, self.A_log, m.dt_limit)
-            out, self.ssm_state[slot] = ssd_chunked(xs.reshape(n, m.heads, m.head_dim), dt_g, A,
-                                                    B.reshape(n, m.groups, m.state), C.reshape(n, m.groups, m.state),
-                                                    self.D, m.chunk, self.ssm_state[slot])
-            y[lo:lo + n] = out.reshape(n, m.inner)
+        y = self.backend.mamba2(xbc, dt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, self.A_log,
+                                self.D, self.conv_state, self.ssm_state, ctx, self.layer_idx, m, self.verify_record)
         return self.out_proj(gated_group_rms_norm(y, z, self.norm.weight, m.inner // m.groups, self.eps).to(x.dtype))
 
 
@@ -115,19 +103,18 @@ class LatentMoE(nn.Module):
 
 
 class NemotronHBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, block: str, backend: Backend) -> None:
+    def __init__(self, cfg: ModelConfig, block: str, backend: Backend, layer_idx: int = -1) -> None:
         super().__init__()
         self.block = block
         self.norm = make_norm(cfg, cfg.hidden_size, backend)
-        self.mixer = {"mamba": lambda: Mamba2Mixer(cfg, backend), "full_attention": lambda: Attention(cfg, backend),
+        self.mixer = {"mamba": lambda: Mamba2Mixer(cfg, layer_idx, backend), "full_attention": lambda: Attention(cfg, backend),
                       "mlp": lambda: ReLU2MLP(cfg.hidden_size, cfg.intermediate_size, backend),
                       "moe": lambda: LatentMoE(cfg, backend)}[block]()
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.norm(h)
         if self.block == "full_attention":
-            none = x.new_empty(x.shape[0], 0)  # NoPE: RoPE over zero channels
-            return h + self.mixer(x, (none, none), ctx)
+            return h + self.mixer(x, None, ctx)  # NoPE
         return h + (self.mixer(x, ctx) if self.block == "mamba" else self.mixer(x))
 
 
@@ -173,11 +160,11 @@ class NemotronHMTPHead(nn.Module):
         return blocks[-1].final_layernorm(h)
 
 
-class NemotronHCausalLM(nn.Module):
-    """The Nemotron-H target: ``forward`` returns the final-norm hidden states, ``compute_logits``
-    the lm_head's logits."""
+class NemotronHCausalLM(TargetLM):
+    """The Nemotron-H target (``TargetLM``); its recurrent layers are the Mamba2 mixers."""
 
     quant = None  # no quantized Nemotron-H checkpoints yet
+    static_decode = False  # the Mamba2 mixers run the torch reference (no device kernels yet)
 
     def __init__(self, cfg: ModelConfig, backend: Backend | str = "torch") -> None:
         super().__init__()
@@ -185,10 +172,14 @@ class NemotronHCausalLM(nn.Module):
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.backbone = nn.Module()
         self.backbone.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.backbone.layers = nn.ModuleList(NemotronHBlock(cfg, b, self.backend) for b in cfg.layer_types)
+        self.backbone.layers = nn.ModuleList(NemotronHBlock(cfg, b, self.backend, i) for i, b in enumerate(cfg.layer_types))
         self.backbone.norm_f = make_norm(cfg, cfg.hidden_size, self.backend)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = NemotronHMTPHead(cfg, self.backend) if cfg.num_nextn_predict_layers else None
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.backbone.embeddings.weight
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.backbone.embeddings(input_ids)
@@ -196,17 +187,25 @@ class NemotronHCausalLM(nn.Module):
             h = block(h, ctx)
         return self.backbone.norm_f(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.backbone.embeddings.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w)
-
     def mtp_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
                     layer_idx: int = 0) -> torch.Tensor:
-        """One MTP step at draft slots ``ctx.positions`` (``NemotronHMTPHead``); feed the result to
-        ``compute_logits``, or back in as ``hidden``."""
+        """``TargetLM.mtp_forward`` through ``NemotronHMTPHead``."""
         if self.mtp is None:
             raise ValueError("this model has no MTP head (num_nextn_predict_layers = 0)")
-        return self.mtp.step(input_ids, self.backbone.embeddings.weight, hidden, ctx, layer_idx)
+        return self.mtp.step(input_ids, self.embed_weight, hidden, ctx, layer_idx)
+
+    @torch.no_grad()
+    def mtp_write_kv(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
+                     layer_idx: int = 0) -> None:
+        """``TargetLM.mtp_write_kv``: the step's blocks before its attention block are position-local
+        (MLP / MoE; the config admits one attention block per step and no Mamba2), so they run on
+        the slot's own input, then the attention block writes its K/V."""
+        assert self.mtp is not None
+        h = self.mtp.fuse(input_ids, self.embed_weight, hidden, layer_idx)
+        for block in self.mtp.layers[layer_idx * self.mtp.span:(layer_idx + 1) * self.mtp.span]:
+            if block.block == "full_attention":
+                return block.mixer.write_kv(block.norm(h), None, ctx)
+            h = block(h, ctx)
 
     def attention_layers(self) -> list[nn.Module]:
         return [b.mixer for b in self.backbone.layers if b.block == "full_attention"]
@@ -214,37 +213,5 @@ class NemotronHCausalLM(nn.Module):
     def mtp_attention_layers(self) -> list[nn.Module]:
         return [] if self.mtp is None else [b.mixer for b in self.mtp.layers if b.block == "full_attention"]
 
-    def mamba_layers(self) -> list[Mamba2Mixer]:
+    def recurrent_layers(self) -> list[Mamba2Mixer]:
         return [b.mixer for b in self.backbone.layers if b.block == "mamba"]
-
-    def bind_caches(self, batch: int, max_len: int) -> ForwardContext:
-        """Fresh contiguous caches for ``batch`` requests of up to ``max_len`` tokens (request b
-        owns KV slots ``b * max_len ..`` and state slot b); returns a context template's slots."""
-        p = self.backbone.embeddings.weight
-        for attn in self.attention_layers() + self.mtp_attention_layers():
-            shape = (batch * max_len, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache, attn.v_cache = (torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in range(2))
-        for mix in self.mamba_layers():
-            m = mix.shape
-            mix.conv_state = torch.zeros(batch, m.conv_dim, m.conv_kernel - 1, device=p.device, dtype=p.dtype)
-            mix.ssm_state = torch.zeros(batch, m.heads, m.head_dim, m.state, device=p.device, dtype=acc_dtype(p))
-        return PagedSlots(torch.arange(batch, device=p.device)[:, None], max_len)
-
-    @torch.no_grad()
-    def score(self, token_ids: Sequence[int] | torch.Tensor, pieces: Sequence[int] | None = None) -> torch.Tensor:
-        """Target logits [T, vocab] (fp32) of one sequence, fed as one forward or as the successive
-        ``pieces`` (lengths summing to T: chunked prefill, then decode steps) over fresh caches."""
-        p = self.backbone.embeddings.weight
-        ids = torch.as_tensor(token_ids, dtype=torch.long, device=p.device).reshape(-1)
-        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
-            raise ValueError(f"score: token ids must be a non-empty sequence in [0, vocab_size={self.config.vocab_size})")
-        pieces = list(pieces) if pieces is not None else [ids.numel()]
-        if sum(pieces) != ids.numel() or min(pieces) < 1:
-            raise ValueError(f"score: pieces {pieces} must be positive and sum to the {ids.numel()} tokens")
-        slots, out, start = self.bind_caches(1, ids.numel()), [], 0
-        for n in pieces:
-            ctx = ForwardContext(q_starts=[start], q_lens=[n], kv_slots=slots,
-                                 state_slots=torch.zeros(1, dtype=torch.long, device=p.device), device=p.device)
-            out.append(self.compute_logits(self(ids[start:start + n], ctx)).to(acc_dtype(p)))
-            start += n
-        return torch.cat(out)
