@@ -31,7 +31,9 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-DECODE_BLOCK_P, DECODE_WARPS = 16, 2
+# decode / verify tile (head channels per program) and warps, from benchmarks/tune_mamba2.py on the H200
+# (Nemotron-3-Super shape): 5.3 us a decode layer, 12.3 us a d = 7 verify layer
+DECODE_BLOCK_P, DECODE_WARPS = 32, 4
 
 if triton is not None:
     from wmtp.kernels.common import last_to_arrive, wait_prior
