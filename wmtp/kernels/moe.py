@@ -48,7 +48,7 @@ MAX_GEMV_PAIRS = 256
 
 if triton is not None:
     from wmtp.kernels.common import wait_prior
-    from wmtp.kernels.quant_tiles import row_scale, weight_dot
+    from wmtp.kernels.quant_tiles import row_scale, weight_dot, x_step
 
     @triton.jit
     def _route_topk_kernel(LOGITS, W_OUT, I_OUT, X, SG, SG_OUT, E, HID, TOP_K: tl.constexpr, K_P: tl.constexpr,
@@ -112,12 +112,13 @@ if triton is not None:
         out = OUT + tl.where(sh, P * N + (p - P) * NS, p * N)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n  # the grid spans max(N, NS) rows: the narrower kind masks the rest
-        x_off = tok * K + tl.zeros([1], tl.int64)
+        x_off = tok.to(tl.int64) * K
         g = tl.zeros([BLOCK_N], tl.float32)
         u = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            g += weight_dot(wg, cg, X, rows * stride_n, rows * stride_c, x_off, row_ok, k0, K, FORMAT, BLOCK_K)
-            u += weight_dot(wu, cu, X, rows * stride_n, rows * stride_c, x_off, row_ok, k0, K, FORMAT, BLOCK_K)
+            xs = x_step(X, x_off, k0, K, FORMAT, BLOCK_K)  # once for gate and up
+            g += weight_dot(wg, cg, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K)
+            u += weight_dot(wu, cu, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K)
         g = row_scale(g, tl.where(sh, SRG, RG + e * stride_re), rows, row_ok, FORMAT)
         u = row_scale(u, tl.where(sh, SRU, RU + e * stride_re), rows, row_ok, FORMAT)
         dt = OUT.dtype.element_ty
@@ -161,19 +162,19 @@ if triton is not None:
         w_rows = e[:, None] * stride_we + rows[None, :] * stride_wn
         c_rows = e[:, None] * stride_ce + rows[None, :] * stride_cn
         ok = sel_ok[:, None] & row_ok[None, :]
-        h_off = tl.where(sel_ok, p, 0)[:, None] * K  # padded experts read a valid row (their weights are 0)
+        h_off = tl.where(sel_ok, p, 0) * K  # padded experts read a valid row (their weights are 0)
         acc = tl.zeros([TOP_K_P, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            acc += weight_dot(W, C, H, w_rows, c_rows, h_off, ok, k0, K, FORMAT, BLOCK_K)
+            acc += weight_dot(W, C, w_rows, c_rows, ok, x_step(H, h_off, k0, K, FORMAT, BLOCK_K), k0, K, FORMAT, BLOCK_K)
         acc = row_scale(acc, R, e[:, None] * stride_re + rows[None, :], ok, FORMAT)
         tw = tl.load(TW + p, mask=sel_ok, other=0.0)  # padded experts weigh 0 (and their acc is 0)
         out = tl.sum(acc.to(dt).to(tl.float32) * tw[:, None], 0)  # each expert rounded as the reference's
         if SHARED:  # + sigmoid(logit[t]) * (W_shared_down @ h_shared[t]), the projection rounded as F.linear's
             acc_s = tl.zeros([BLOCK_N], tl.float32)
-            hs_off = t * KS + tl.zeros([1], tl.int64)
+            hs_off = t.to(tl.int64) * KS
             for k0 in range(0, KS, BLOCK_K):
-                acc_s += weight_dot(WS, CS, HS, rows * stride_ws, rows * stride_cs, hs_off, row_ok, k0, KS, FORMAT,
-                                    BLOCK_K)
+                acc_s += weight_dot(WS, CS, rows * stride_ws, rows * stride_cs, row_ok,
+                                    x_step(HS, hs_off, k0, KS, FORMAT, BLOCK_K), k0, KS, FORMAT, BLOCK_K)
             acc_s = row_scale(acc_s, RS, rows, row_ok, FORMAT)
             out += acc_s.to(dt).to(tl.float32) / (1.0 + tl.exp(-tl.load(SL + t)))
         tl.store(OUT + t * N + rows, out.to(dt), mask=row_ok)

@@ -8,9 +8,10 @@ A kernel takes a weight as ``KernelWeight`` (``kernel_weight``): a FORMAT code a
   fp8-e4m3 scales per 16 inputs [.., N, K/16], and the per-row fp32 second level [.., N];
 - ``FP8`` (2): fp8-e4m3 weights [.., N, K] and fp32 scales per row and 128 inputs [.., N, K/128].
 
-``weight_dot`` is one K step of ``W[rows] @ x`` for rows of any shape; the NVFP4 tile is loaded as
-[rows, groups, 8] bytes (each group's 8 bytes contiguous: one vector load, its scale once), the
-even and odd inputs of x beside it, and the group scale multiplies the group's sum; the second level
+``weight_dot`` is one K step of ``W[rows] @ x`` for rows of any shape, over the step's inputs that
+``x_step`` loaded once for every weight reading them; the NVFP4 tile is loaded as [rows, groups, 8]
+bytes (each group's 8 bytes contiguous: one vector load, its scale once) against the even and odd
+inputs of x, and the group scale multiplies the group's sum; the second level
 (``row_scale``) multiplies the row's total once. e2m1 codes decode by bit placement (as fp16 bits,
 times 2^14), not by a table or exp2.
 """
@@ -97,32 +98,44 @@ if triton is not None:
         return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
 
     @triton.jit
-    def weight_dot(W, S, X, w_rows, s_rows, x_off, row_ok, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
-        """fp32 ``sum_k weight[row, k] * X[x_off + k]`` over ``k`` in ``[k0, k0 + BLOCK_K)`` (and < K)
-        for every row: ``w_rows`` / ``s_rows`` the rows' offsets into W / S (any shape), ``x_off``
-        broadcastable to it (offsets of valid rows of X only). Group scales applied, not NVFP4's
-        per-row second level (``row_scale``). FP8: BLOCK_K divides 128."""
+    def x_step(X, x_off, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The inputs ``weight_dot`` multiplies in K step ``[k0, k0 + BLOCK_K)``, in fp32, loaded once
+        for every weight that reads them: ``X[x_off + k]`` for ``x_off`` of the weight rows' shape
+        less the last dim (a scalar for one vector). Float / FP8: [.., BLOCK_K] (and the same again);
+        NVFP4: the even and odd inputs of each packed byte, [.., BLOCK_K / 16, 8] each."""
+        if FORMAT == 1:
+            kb = k0 // 2 + tl.arange(0, BLOCK_K // 16)[:, None] * 8 + tl.arange(0, 8)[None, :]
+            xp = X + tl.expand_dims(tl.expand_dims(x_off, -1), -1) + 2 * kb
+            kb_ok = kb < K // 2
+            return (tl.load(xp, mask=kb_ok, other=0.0).to(tl.float32),
+                    tl.load(xp + 1, mask=kb_ok, other=0.0).to(tl.float32))
+        else:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(X + tl.expand_dims(x_off, -1) + ks, mask=ks < K, other=0.0).to(tl.float32)
+            return xv, xv
+
+    @triton.jit
+    def weight_dot(W, S, w_rows, s_rows, row_ok, xs, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+        """fp32 ``sum_k weight[row, k] * x[k]`` over ``k`` in ``[k0, k0 + BLOCK_K)`` (and < K) for
+        every row: ``w_rows`` / ``s_rows`` the rows' offsets into W / S (any shape), ``xs`` the step's
+        inputs (``x_step``, one row of x per row of ``w_rows`` less its last dim). Group scales
+        applied, not NVFP4's per-row second level (``row_scale``). FP8: BLOCK_K divides 128."""
         ok = tl.expand_dims(row_ok, -1)
+        xe, xo = xs
         if FORMAT == 1:
             G: tl.constexpr = BLOCK_K // 16
             g = tl.arange(0, G)
             kb = k0 // 2 + g[:, None] * 8 + tl.arange(0, 8)[None, :]  # [G, 8] bytes: inputs 2kb, 2kb + 1
-            kb_ok = kb < K // 2
-            b = tl.load(W + tl.expand_dims(tl.expand_dims(w_rows, -1), -1) + kb, mask=tl.expand_dims(ok, -1) & kb_ok,
-                        other=0)
-            xp = X + tl.expand_dims(tl.expand_dims(x_off, -1), -1) + 2 * kb
-            xe = tl.load(xp, mask=kb_ok, other=0.0).to(tl.float32)
-            xo = tl.load(xp + 1, mask=kb_ok, other=0.0).to(tl.float32)
-            part = tl.sum(e2m1_values(b & 15) * xe + e2m1_values(b >> 4) * xo, -1)
+            b = tl.load(W + tl.expand_dims(tl.expand_dims(w_rows, -1), -1) + kb,
+                        mask=tl.expand_dims(ok, -1) & (kb < K // 2), other=0)
+            part = tl.sum(e2m1_values(b & 15) * tl.expand_dims(xe, -3) + e2m1_values(b >> 4) * tl.expand_dims(xo, -3), -1)
             gs = k0 // 16 + g
             sc = tl.load(S + tl.expand_dims(s_rows, -1) + gs, mask=ok & (gs < K // 16), other=0.0)
             return tl.sum(part * sc.to(tl.float32), -1)
         else:
             ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            w = tl.load(W + tl.expand_dims(w_rows, -1) + ks, mask=ok & k_ok, other=0.0).to(tl.float32)
-            xv = tl.load(X + tl.expand_dims(x_off, -1) + ks, mask=k_ok, other=0.0).to(tl.float32)
-            acc = tl.sum(w * xv, -1)
+            w = tl.load(W + tl.expand_dims(w_rows, -1) + ks, mask=ok & (ks < K), other=0.0).to(tl.float32)
+            acc = tl.sum(w * tl.expand_dims(xe, -2), -1)
             if FORMAT == 2:
                 acc = acc * tl.load(S + s_rows + k0 // 128, mask=row_ok, other=0.0)
             return acc
