@@ -112,7 +112,7 @@ if triton is not None:
         out = OUT + tl.where(sh, P * N + (p - P) * NS, p * N)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n  # the grid spans max(N, NS) rows: the narrower kind masks the rest
-        x_off = tok.to(tl.int64) * K
+        x_off = tok * K
         g = tl.zeros([BLOCK_N], tl.float32)
         u = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -159,19 +159,21 @@ if triton is not None:
         sel_ok = sel < TOP_K
         p = t * TOP_K + sel
         e = tl.load(IDX + p, mask=sel_ok, other=0).to(tl.int64)
-        w_rows = e[:, None] * stride_we + rows[None, :] * stride_wn
+        w_base = W + e[:, None] * stride_we  # [TOP_K_P, 1] pointers; the rows' offsets beside them
+        w_rows = rows[None, :] * stride_wn
         c_rows = e[:, None] * stride_ce + rows[None, :] * stride_cn
         ok = sel_ok[:, None] & row_ok[None, :]
         h_off = tl.where(sel_ok, p, 0) * K  # padded experts read a valid row (their weights are 0)
         acc = tl.zeros([TOP_K_P, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            acc += weight_dot(W, C, w_rows, c_rows, ok, x_step(H, h_off, k0, K, FORMAT, BLOCK_K), k0, K, FORMAT, BLOCK_K)
+            xs = x_step(H, h_off, k0, K, FORMAT, BLOCK_K)
+            acc += weight_dot(w_base, C, w_rows, c_rows, ok, xs, k0, K, FORMAT, BLOCK_K)
         acc = row_scale(acc, R, e[:, None] * stride_re + rows[None, :], ok, FORMAT)
         tw = tl.load(TW + p, mask=sel_ok, other=0.0)  # padded experts weigh 0 (and their acc is 0)
         out = tl.sum(acc.to(dt).to(tl.float32) * tw[:, None], 0)  # each expert rounded as the reference's
         if SHARED:  # + sigmoid(logit[t]) * (W_shared_down @ h_shared[t]), the projection rounded as F.linear's
             acc_s = tl.zeros([BLOCK_N], tl.float32)
-            hs_off = t.to(tl.int64) * KS
+            hs_off = t * KS
             for k0 in range(0, KS, BLOCK_K):
                 acc_s += weight_dot(WS, CS, rows * stride_ws, rows * stride_cs, row_ok,
                                     x_step(HS, hs_off, k0, KS, FORMAT, BLOCK_K), k0, KS, FORMAT, BLOCK_K)

@@ -117,7 +117,8 @@ if triton is not None:
     @triton.jit
     def weight_dot(W, S, w_rows, s_rows, row_ok, xs, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
         """fp32 ``sum_k weight[row, k] * x[k]`` over ``k`` in ``[k0, k0 + BLOCK_K)`` (and < K) for
-        every row: ``w_rows`` / ``s_rows`` the rows' offsets into W / S (any shape), ``xs`` the step's
+        every row: ``w_rows`` / ``s_rows`` the rows' offsets into W / S (any shape; W may be a tensor of
+        pointers broadcastable to it, as an expert's base beside its rows' offsets), ``xs`` the step's
         inputs (``x_step``, one row of x per row of ``w_rows`` less its last dim). Group scales
         applied, not NVFP4's per-row second level (``row_scale``). FP8: BLOCK_K divides 128."""
         ok = tl.expand_dims(row_ok, -1)
@@ -126,15 +127,16 @@ if triton is not None:
             G: tl.constexpr = BLOCK_K // 16
             g = tl.arange(0, G)
             kb = k0 // 2 + g[:, None] * 8 + tl.arange(0, 8)[None, :]  # [G, 8] bytes: inputs 2kb, 2kb + 1
-            b = tl.load(W + tl.expand_dims(tl.expand_dims(w_rows, -1), -1) + kb,
+            b = tl.load(tl.expand_dims(tl.expand_dims(W + w_rows, -1), -1) + kb,
                         mask=tl.expand_dims(ok, -1) & (kb < K // 2), other=0)
-            part = tl.sum(e2m1_values(b & 15) * tl.expand_dims(xe, -3) + e2m1_values(b >> 4) * tl.expand_dims(xo, -3), -1)
+            xe, xo = tl.expand_dims(xe, -3), tl.expand_dims(xo, -3)  # beside the rows
+            part = tl.sum(e2m1_values(b & 15) * xe + e2m1_values(b >> 4) * xo, -1)
             gs = k0 // 16 + g
             sc = tl.load(S + tl.expand_dims(s_rows, -1) + gs, mask=ok & (gs < K // 16), other=0.0)
             return tl.sum(part * sc.to(tl.float32), -1)
         else:
             ks = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(W + tl.expand_dims(w_rows, -1) + ks, mask=ok & (ks < K), other=0.0).to(tl.float32)
+            w = tl.load(tl.expand_dims(W + w_rows, -1) + ks, mask=ok & (ks < K), other=0.0).to(tl.float32)
             acc = tl.sum(w * tl.expand_dims(xe, -2), -1)
             if FORMAT == 2:
                 acc = acc * tl.load(S + s_rows + k0 // 128, mask=row_ok, other=0.0)
