@@ -30,6 +30,19 @@ class SharedExpert(NamedTuple):
     gate: torch.Tensor
 
 
+class SigmoidRouting(NamedTuple):
+    """Nemotron-H's router (``torch_relu2_moe.sigmoid_route``): the router weight [E, H], the
+    score-correction bias [E] and the choice's parameters."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    top_k: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    scale: float
+
+
 _WHOLE_TILES = False
 
 

@@ -153,16 +153,22 @@ def skinny_rows(name: str, x: torch.Tensor, n: int, bias: torch.Tensor | None,
     return (x2 if x2.stride(1) == 1 else x2.contiguous()), out
 
 
+def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A float weight the kernel reads for x: x's dtype, or 16 bits for an fp32 x (widened in
+    registers: an fp32 router over its bf16 checkpoint weight, without an fp32 copy)."""
+    return weight.dtype == x.dtype or x.dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16)
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None,
                   tiles: LinearTiles | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [..., K] of at most ``MAX_ROWS`` rows (flattened; a
     quantized weight takes up to ``QUANT_MAX_ROWS``); weight [N, K] with unit stride on K, in x's
-    dtype or quantized (``wmtp.quant``: read packed, dequantized in registers). ``tiles`` overrides
-    ``linear_tiles``' / ``quant_tiles``' choice (``linear_tiles`` falls back to a single 16 x 128
-    program per K split where it would choose cuBLAS)."""
+    dtype (or 16-bit for an fp32 x) or quantized (``wmtp.quant``: read packed, dequantized in
+    registers). ``tiles`` overrides ``linear_tiles``' / ``quant_tiles``' choice (``linear_tiles``
+    falls back to a single 16 x 128 program per K split where it would choose cuBLAS)."""
     K = x.shape[-1]
     quant = isinstance(weight, QuantWeight)
-    if len(weight.shape) != 2 or weight.shape[1] != K or not quant and (weight.stride(1) != 1 or weight.dtype != x.dtype):
+    if len(weight.shape) != 2 or weight.shape[1] != K or not quant and (weight.stride(1) != 1 or not _takes(x, weight)):
         kind = weight.format.name if quant else weight.dtype
         raise ValueError(f"skinny_linear: weight {tuple(weight.shape)} {kind} must be [N, {K}] {'' if quant else x.dtype} "
                          f"with unit stride on K (x {tuple(x.shape)})")
@@ -197,7 +203,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, through ``skinny_linear`` where ``linear_tiles`` picks the kernel over cuBLAS;
+    """``F.linear``, through ``skinny_linear`` where ``linear_tiles`` picks the kernel over cuBLAS
+    (and for an fp32 x over a 16-bit weight, read as it is, up to ``MAX_ROWS`` rows);
     a quantized weight through ``skinny_linear`` up to ``QUANT_MAX_ROWS`` rows, above them
     dequantized, then one GEMM (prefill)."""
     rows = x.numel() // max(x.shape[-1], 1)
@@ -205,7 +212,11 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
         if rows <= QUANT_MAX_ROWS and x.dtype != torch.float64:
             return skinny_linear(x, weight, bias)
         return F.linear(x, dequantize(weight, x.dtype), bias)
+    if weight.dtype != x.dtype:
+        if _takes(x, weight) and rows <= MAX_ROWS and weight.stride(-1) == 1:
+            return skinny_linear(x, weight, bias)
+        return F.linear(x, weight.to(x.dtype), bias)
     tiles = linear_tiles(rows, weight.shape[0], weight.shape[1])
-    if tiles is None or x.dtype == torch.float64 or weight.dtype != x.dtype or weight.stride(-1) != 1:
+    if tiles is None or x.dtype == torch.float64 or weight.stride(-1) != 1:
         return F.linear(x, weight, bias)
     return skinny_linear(x, weight, bias)  # which takes linear_tiles' choice itself

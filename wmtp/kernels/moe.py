@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from wmtp.kernels.common import SharedExpert, launch_tile, pdl
+from wmtp.kernels.common import SharedExpert, SigmoidRouting, launch_tile, pdl
 from wmtp.kernels.linear import decode_linear
 from wmtp.kernels.quant_tiles import FLOAT, FP8_CODE, KernelWeight, kernel_weight, same_layout
 from wmtp.quant import QuantWeight, dense
@@ -51,9 +51,11 @@ if triton is not None:
     from wmtp.kernels.quant_tiles import row_scale, weight_dot, x_step
 
     @triton.jit
-    def _route_topk_kernel(LOGITS, W_OUT, I_OUT, X, SG, SG_OUT, E, HID, TOP_K: tl.constexpr, K_P: tl.constexpr,
-                           NORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                           PDL: tl.constexpr):
+    def _route_topk_kernel(LOGITS, W_OUT, I_OUT, X, SG, SG_OUT, BIAS, E, HID, scale, TOP_K: tl.constexpr,
+                           K_P: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SIGMOID: tl.constexpr,
+                           BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+        """Softmax routing; or (SIGMOID) sigmoid scores whose top-k is chosen by score + BIAS[e] and
+        weighted by the unbiased score, renormalised with 1e-20 in the denominator, times ``scale``."""
         wait_prior(PDL)
         t = tl.program_id(0).to(tl.int64)
         if SHARED:  # the shared expert's gate logit x[t] . w, rounded to x's dtype as F.linear's is
@@ -65,34 +67,46 @@ if triton is not None:
             tl.store(SG_OUT + t, tl.sum(z, 0).to(X.dtype.element_ty).to(tl.float32))
         es = tl.arange(0, BLOCK_E)
         z = tl.load(LOGITS + t * E + es, mask=es < E, other=float("-inf")).to(tl.float32)
-        p = tl.exp(z - tl.max(z, 0))
-        p = p / tl.sum(p, 0)
-        p = tl.where(es < E, p, -1.0)
-        # one max per pick: key = (p's bits, then BLOCK_E-1-index) as int64, which orders by p (>= 0,
-        # so its bits order as ints) and then the lowest index first among ties (as torch.topk);
-        # padding (p = -1) has a negative key
-        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - es).to(tl.int64)
+        if SIGMOID:
+            p = 1.0 / (1.0 + tl.exp(-z))
+            choice = p + tl.load(BIAS + es, mask=es < E, other=0.0).to(tl.float32)
+        else:
+            p = tl.exp(z - tl.max(z, 0))
+            p = p / tl.sum(p, 0)
+            choice = p
+        # one max per pick: key = (choice's bits made order-preserving as an int32, then
+        # BLOCK_E-1-index) as int64, which orders by choice and then the lowest index first among
+        # ties (as torch.topk); padding has the lowest key
+        bits = choice.to(tl.int32, bitcast=True)
+        bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
+        key = (bits.to(tl.int64) << 32) | (BLOCK_E - 1 - es).to(tl.int64)
+        key = tl.where(es < E, key, -(1 << 62))
         ks = tl.arange(0, K_P)
         sel_w = tl.zeros([K_P], tl.float32)
         sel_i = tl.zeros([K_P], tl.int32)
         for i in tl.static_range(TOP_K):  # descending
             k = tl.max(key, 0)
             j = BLOCK_E - 1 - (k & 0xFFFFFFFF).to(tl.int32)
-            sel_w = tl.where(ks == i, (k >> 32).to(tl.int32).to(tl.float32, bitcast=True), sel_w)
+            sel_w = tl.where(ks == i, tl.sum(tl.where(es == j, p, 0.0), 0), sel_w)
             sel_i = tl.where(ks == i, j, sel_i)
-            key = tl.where(es == j, -1, key)
+            key = tl.where(es == j, -(1 << 62), key)
         if NORM:
-            sel_w = sel_w / tl.sum(sel_w, 0)
+            if SIGMOID:
+                sel_w = sel_w / (tl.sum(sel_w, 0) + 1e-20)
+            else:
+                sel_w = sel_w / tl.sum(sel_w, 0)
+        sel_w = sel_w * scale
         tl.store(W_OUT + t * TOP_K + ks, sel_w, mask=ks < TOP_K)
         tl.store(I_OUT + t * TOP_K + ks, sel_i, mask=ks < TOP_K)
 
     @triton.jit
     def _swiglu_gemv_kernel(X, WG, WU, CG, CU, RG, RU, IDX, SG, SU, SCG, SCU, SRG, SRU, OUT, P, N, NS, K,
                             stride_we, stride_wn, stride_ce, stride_cn, stride_re, stride_sn, stride_scn,
-                            TOP_K: tl.constexpr, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            PDL: tl.constexpr):
+                            TOP_K: tl.constexpr, FORMAT: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """Weights in FORMAT (``quant_tiles``): routed gate / up W*, their group scales C*, per-row
-        scales R* (leading expert strides *_e); the shared expert's S*, SC*, SR*."""
+        scales R* (leading expert strides *_e); the shared expert's S*, SC*, SR*. GATED:
+        ``silu(gate x) * (up x)``; else ``relu(up x)^2`` (the gate arguments unread)."""
         wait_prior(PDL)
         p = tl.program_id(0)
         nb = tl.program_id(1)
@@ -117,14 +131,19 @@ if triton is not None:
         u = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             xs = x_step(X, x_off, k0, K, FORMAT, BLOCK_K)  # once for gate and up
-            g += weight_dot(wg, cg, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K)
+            if GATED:
+                g += weight_dot(wg, cg, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K)
             u += weight_dot(wu, cu, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K)
-        g = row_scale(g, tl.where(sh, SRG, RG + e * stride_re), rows, row_ok, FORMAT)
-        u = row_scale(u, tl.where(sh, SRU, RU + e * stride_re), rows, row_ok, FORMAT)
         dt = OUT.dtype.element_ty
-        g = g.to(dt).to(tl.float32)  # the reference rounds each projection to the activation dtype
-        u = u.to(dt).to(tl.float32)
-        h = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
+        u = row_scale(u, tl.where(sh, SRU, RU + e * stride_re), rows, row_ok, FORMAT)
+        u = u.to(dt).to(tl.float32)  # the reference rounds each projection to the activation dtype
+        if GATED:
+            g = row_scale(g, tl.where(sh, SRG, RG + e * stride_re), rows, row_ok, FORMAT)
+            g = g.to(dt).to(tl.float32)
+            h = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
+        else:
+            h = tl.maximum(u, 0.0)
+            h = h * h
         tl.store(out + rows, h.to(dt), mask=row_ok)
 
     @triton.jit
@@ -192,12 +211,17 @@ class Routing(NamedTuple):
 
 
 def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, x: torch.Tensor | None = None,
-               shared_gate: torch.Tensor | None = None) -> Routing:
+               shared_gate: torch.Tensor | None = None, sigmoid_bias: torch.Tensor | None = None,
+               scale: float = 1.0) -> Routing:
     """Softmax over router ``logits`` [T, E] and its top-k (renormalised if asked); with ``x`` [T, H]
-    and ``shared_gate`` [1, H] also the shared expert's gate logit ``x @ shared_gate.T``."""
+    and ``shared_gate`` [1, H] also the shared expert's gate logit ``x @ shared_gate.T``. With
+    ``sigmoid_bias`` [E]: Nemotron-H's sigmoid routing (``torch_relu2_moe.sigmoid_route``, one
+    group), the weights times ``scale``."""
     T, E = logits.shape
     if not 0 < top_k <= E:
         raise ValueError(f"route_topk: top_k={top_k} must be in [1, {E}] (experts)")
+    if sigmoid_bias is not None and sigmoid_bias.shape != (E,):
+        raise ValueError(f"route_topk: sigmoid_bias {tuple(sigmoid_bias.shape)} must be [{E}] (experts)")
     shared = shared_gate is not None
     if shared and (x is None or x.shape[0] != T or shared_gate.shape != (1, x.shape[1])):
         raise ValueError(f"route_topk: shared_gate {tuple(shared_gate.shape)} must be [1, H] for x "
@@ -208,9 +232,11 @@ def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, x: torch.
     if T:
         xs = x.contiguous() if shared else w
         hid = x.shape[1] if shared else 1
+        bias = w if sigmoid_bias is None else sigmoid_bias.contiguous()
         _route_topk_kernel[(T,)](logits.contiguous(), w, i, xs, shared_gate if shared else w, w if sl is None else sl,
-                                 E, hid, TOP_K=top_k, K_P=triton.next_power_of_2(top_k), NORM=norm_topk_prob,
-                                 SHARED=shared, BLOCK_E=triton.next_power_of_2(E),
+                                 bias, E, hid, float(scale), TOP_K=top_k, K_P=triton.next_power_of_2(top_k),
+                                 NORM=norm_topk_prob, SHARED=shared, SIGMOID=sigmoid_bias is not None,
+                                 BLOCK_E=triton.next_power_of_2(E),
                                  BLOCK_H=min(1024, triton.next_power_of_2(hid)), **pdl(logits.device))
     return Routing(w, i, sl)
 
@@ -237,6 +263,12 @@ def swiglu_gemv(x: torch.Tensor, w_gate: Weight, w_up: Weight, idx: torch.Tensor
     strides (views of one packed tensor are fine); idx [T * top_k]. Returns [T * top_k, N] in x's
     dtype. ``launch`` overrides BLOCK_N / BLOCK_K / num_warps / num_stages (``benchmarks/tune_moe.py``)."""
     return _swiglu_launch("swiglu_gemv", x, w_gate, w_up, idx, top_k, None, launch)[0]
+
+
+def relu2_gemv(x: torch.Tensor, w_up: Weight, idx: torch.Tensor, top_k: int = 1, **launch) -> torch.Tensor:
+    """``relu(w_up[idx[p]] @ x[p // top_k])^2`` for every pair p (ungated experts, Nemotron-H); the
+    rest as ``swiglu_gemv``."""
+    return _swiglu_launch("relu2_gemv", x, w_up, w_up, idx, top_k, None, launch, gated=False)[0]
 
 
 def swiglu_gemv_with_shared(x: torch.Tensor, w_gate: Weight, w_up: Weight, idx: torch.Tensor, top_k: int,
@@ -268,8 +300,8 @@ def _check_shared_swiglu(name: str, routed: KernelWeight, sg: KernelWeight, su: 
 
 
 def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx: torch.Tensor,
-                   top_k: int, shared: tuple[Weight, Weight] | None,
-                   launch: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   top_k: int, shared: tuple[Weight, Weight] | None, launch: dict[str, int],
+                   gated: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Checks and launches ``_swiglu_gemv_kernel`` over the P routed rows and, with ``shared``, the T
     shared-expert rows; returns (routed [P, N], shared [T, Ns] or None)."""
     T, K = x.shape
@@ -299,7 +331,7 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
             x.contiguous(), g.weight, u.weight, g.scale, u.scale, g.rows, u.rows, idx.contiguous(),
             sg.weight, su.weight, sg.scale, su.scale, sg.rows, su.rows, buf, P, N, Ns, K,
             we, wn, ce, cn, g.rows_stride(), sg.weight.stride(-2), sg.scale.stride(-2), TOP_K=top_k, FORMAT=g.format,
-            **cfg, **pdl(x.device))
+            GATED=gated, **cfg, **pdl(x.device))
     return buf[:P * N].view(P, N), None if shared is None else buf[P * N:].view(T, Ns)
 
 
@@ -334,7 +366,9 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
         # quantized: 4 x 256 (8 warps at 1 token, 4 at 7): 12.7 / 63.3 us against 28.7 / 179.4 at
         # the bf16 tiles for NVFP4 (tune_moe.py --quantize)
         tile, warps = ((8, 128), 8) if d.format == FLOAT else ((4, 256), 8 if T == 1 else 4)
-        cfg = {"BLOCK_N": launch_tile(tile[0], N), "BLOCK_K": _block_k(d, tile[1], K), "num_warps": warps, **launch}
+        # more experts a token (Nemotron-H's 22): as many fewer rows a tile, the same registers
+        rows = max(2, tile[0] * 8 // triton.next_power_of_2(top_k))
+        cfg = {"BLOCK_N": launch_tile(rows, N), "BLOCK_K": _block_k(d, tile[1], K), "num_warps": warps, **launch}
         hs, sl = (out, out) if shared is None else (shared[0].contiguous(), shared[2].float().contiguous())
         we, wn, ce, cn = d.strides()
         _down_combine_kernel[(T, triton.cdiv(N, cfg["BLOCK_N"]))](
@@ -409,19 +443,39 @@ def combine_sorted(y_sorted: torch.Tensor, pos: torch.Tensor, top_w: torch.Tenso
 
 def routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_prob,
                            shared: SharedExpert | None = None) -> torch.Tensor:
-    """Same contract as ``Backend.moe`` for many tokens (prefill, large batches): the (token, expert)
-    pairs are sorted by expert and each expert's rows go through two grouped GEMMs. Expert offsets
-    are counted on the device (no host sync, so it is graph-capturable too)."""
+    """Same contract as ``Backend.moe`` for many tokens (prefill, large batches): softmax routing,
+    then ``grouped_experts`` (SwiGLU)."""
     top_w, top_i = route(x, router_weight, top_k, norm_topk_prob)
-    n_exp, inter = gate_up.shape[0], down.shape[-1]
+    out = grouped_experts(x, gate_up, down, top_w, top_i, gated=True)
+    return out if shared is None else out + shared_expert_reference(x, shared)
+
+
+def grouped_experts(x: torch.Tensor, first: torch.Tensor, down: torch.Tensor, top_w: torch.Tensor,
+                    top_i: torch.Tensor, gated: bool) -> torch.Tensor:
+    """``sum_k top_w[t, k] * expert_{top_i[t, k]}(x[t])`` for many tokens: the (token, expert) pairs
+    sorted by expert and each expert's rows through two grouped GEMMs (``first`` gate_up [E, 2I, H]
+    for SwiGLU, up [E, I, H] for ReLU² when not ``gated``; down [E, H, I]). Expert offsets are
+    counted on the device (no host sync, so it is graph-capturable too)."""
+    top_k = top_i.shape[1]
+    n_exp, inter = first.shape[0], down.shape[-1]
     flat = top_i.flatten()
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(n_exp, dtype=torch.int32, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    h = F.grouped_mm(x[order // top_k], gate_up.transpose(1, 2), offs=offs)
-    h = F.silu(h[:, :inter]) * h[:, inter:]
+    h = F.grouped_mm(x[order // top_k], first.transpose(1, 2), offs=offs)
+    h = F.silu(h[:, :inter]) * h[:, inter:] if gated else F.relu(h).square()
     pos = torch.empty_like(order)
     pos[order] = torch.arange(order.numel(), device=x.device)
-    out = combine_sorted(F.grouped_mm(h, down.transpose(1, 2), offs=offs), pos, top_w)
-    return out if shared is None else out + shared_expert_reference(x, shared)
+    return combine_sorted(F.grouped_mm(h, down.transpose(1, 2), offs=offs), pos, top_w)
+
+
+def relu2_moe_gemv(x: torch.Tensor, latent: torch.Tensor, routing: SigmoidRouting, up: Weight,
+                   down: Weight) -> torch.Tensor:
+    """``Backend.relu2_moe`` at decode sizes (one router group): the router GEMM in fp32 over its
+    16-bit weight (``decode_linear``), then three launches (sigmoid route, ReLU² up per pair, down
+    + combine)."""
+    r = route_topk(decode_linear(x.float(), routing.weight), routing.top_k, routing.norm_topk_prob,
+                   sigmoid_bias=routing.bias, scale=routing.scale)
+    h = relu2_gemv(latent, up, r.experts.view(-1), routing.top_k)
+    return down_combine(h, down, r.experts, r.weights, routing.top_k)

@@ -14,10 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from wmtp.kernels.common import SigmoidRouting
+from wmtp.quant import QuantWeight, dense
 
-def sigmoid_route(x: Tensor, weight: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int,
-                  norm_topk_prob: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """(weights [T, k] fp32, expert ids [T, k]) for tokens x [T, H] and a router weight [E, H]."""
+
+def sigmoid_route(x: Tensor, r: SigmoidRouting) -> tuple[Tensor, Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k]) for tokens x [T, H] (the router in fp32, as
+    transformers runs it)."""
+    weight, bias, top_k, n_group, topk_group, norm_topk_prob, scale = r
     scores = F.linear(x.float(), weight.float()).sigmoid()
     choice = scores + bias.float()
     T, E = choice.shape
@@ -32,13 +36,14 @@ def sigmoid_route(x: Tensor, weight: Tensor, bias: Tensor, top_k: int, n_group: 
     return w * scale, idx
 
 
-def relu2_experts(x: Tensor, experts: list[tuple[Tensor, Tensor]], weights: Tensor, idx: Tensor) -> Tensor:
-    """``sum_k weights[t, k] * down_e(relu(up_e(x[t]))^2)`` with e = idx[t, k]; experts[e] = (up [I, H],
-    down [H, I]). Each expert's output is rounded to x's dtype before the weighted fp32 sum."""
-    out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+def relu2_experts(x: Tensor, up: Tensor | QuantWeight, down: Tensor | QuantWeight, weights: Tensor,
+                  idx: Tensor) -> Tensor:
+    """``sum_k weights[t, k] * down[e](relu(up[e] @ x[t])^2)`` with e = idx[t, k]; up [E, I, W], down
+    [E, W, I] (packed, ``layers.Experts``; quantized ones through their reference dequantization).
+    Each expert's output is rounded to x's dtype before the weighted fp32 sum."""
+    out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
     for e in torch.unique(idx).tolist():
         tok, slot = torch.where(idx == e)
-        up, down = experts[e]
-        y = F.linear(F.relu(F.linear(x[tok], up)).square(), down)
+        y = F.linear(F.relu(F.linear(x[tok], dense(up[e], x.dtype))).square(), dense(down[e], x.dtype))
         out.index_add_(0, tok, y * weights[tok, slot, None])
     return out.to(x.dtype)

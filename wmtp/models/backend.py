@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from wmtp.config import Mamba2Shape
 from wmtp.engine.window import causal_key_positions
-from wmtp.kernels.common import SharedExpert, acc_dtype
+from wmtp.kernels.common import SharedExpert, SigmoidRouting, acc_dtype
 from wmtp.models.context import ForwardContext
 from wmtp.models.rope import apply_rotary
 from wmtp.quant import QuantWeight, dense
@@ -174,6 +174,14 @@ class Backend(ABC):
     ) -> torch.Tensor:
         """Softmax router, top-k routed experts, plus the sigmoid-gated ``shared`` expert when given.
         x: [N, H]; gate_up: [E, 2I, H]; down: [E, H, I]."""
+
+
+    @abstractmethod
+    def relu2_moe(self, x: torch.Tensor, latent: torch.Tensor, routing: SigmoidRouting,
+                  up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight) -> torch.Tensor:
+        """Nemotron-H's routed experts (``torch_relu2_moe``): ``routing`` chooses and weighs them from
+        the block input x [T, H]; the experts (up [E, I, W], down [E, W, I], ungated ReLU²) run on
+        ``latent`` [T, W]. Returns the weighted sum [T, W] in latent's dtype."""
 
 
 _REGISTRY: dict[str, Callable[[], Backend]] = {}
@@ -362,6 +370,13 @@ class TorchBackend(Backend):
         return out if shared is None else out + shared_expert_reference(x, shared)
 
 
+    def relu2_moe(self, x, latent, routing, up, down):
+        from wmtp.kernels.torch_relu2_moe import relu2_experts, sigmoid_route
+
+        w, idx = sigmoid_route(x, routing)
+        return relu2_experts(latent, up, down, w, idx)
+
+
 def _uniform_short(ctx) -> bool:
     """Every request of the forward has the same number of tokens, at most the recurrence's (the
     per-request loop otherwise: prefill chunks of any length, the chunked form), laid out in order."""
@@ -538,6 +553,23 @@ class TritonBackend(TorchBackend):
         if grouped_mm_supported(x):
             return routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
         return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
+
+    def relu2_moe(self, x, latent, routing, up, down):
+        from wmtp.kernels.moe import MAX_GEMV_PAIRS, grouped_experts, grouped_mm_supported, relu2_moe_gemv
+        from wmtp.kernels.torch_relu2_moe import sigmoid_route
+
+        pairs = x.shape[0] * routing.top_k
+        if x.dtype == torch.float64:
+            return super().relu2_moe(x, latent, routing, up, down)
+        if pairs <= MAX_GEMV_PAIRS and routing.n_group == 1:
+            return relu2_moe_gemv(x, latent, routing, up, down)
+        if grouped_mm_supported(latent):  # prefill, large batches: quantized experts dequantized once
+            from wmtp.kernels.quant_tiles import dequantize
+
+            as_float = (lambda w: dequantize(w, latent.dtype) if isinstance(w, QuantWeight) else w)  # noqa: E731
+            w, idx = sigmoid_route(x, routing)
+            return grouped_experts(latent, as_float(up), as_float(down), w, idx, gated=False)
+        return super().relu2_moe(x, latent, routing, up, down)
 
     def gated_delta_net(self, mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, ssm_state, ctx, layer_idx,
                         dims, record_into=None):

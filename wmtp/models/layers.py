@@ -9,6 +9,8 @@ preallocated tensor per layer.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -241,32 +243,56 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class ExpertPart(NamedTuple):
+    """One checkpoint projection of every routed expert (``experts.{e}.<kind>.weight``, [n, k]) and
+    where it sits in the packed parameter: ``param``'s rows ``rows`` of each expert."""
+
+    kind: str
+    param: str
+    rows: slice
+    n: int
+    k: int
+
+
 class Experts(nn.Module):
-    """Routed experts, packed: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]; each
-    a parameter, or (``quantize_``) a module of a quantized format's tensors over [E, N, K]."""
+    """Routed experts, packed: gated (SwiGLU) gate_up_proj [E, 2I, H] (gate rows first), or
+    ungated (ReLU²) up_proj [E, I, H]; and down_proj [E, H, I]. Each a parameter, or
+    (``quantize_``) a module of a quantized format's tensors over [E, N, K]. ``parts`` is how the
+    checkpoint's per-expert projections map onto them (the loader, writer and bytes floor use it)."""
 
     quant: QuantFormat | None = None
 
-    def __init__(self, num: int, hidden: int, inter: int) -> None:
+    def __init__(self, num: int, hidden: int, inter: int, gated: bool = True) -> None:
         super().__init__()
-        self.num, self.hidden, self.inter = num, hidden, inter
-        self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * inter, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num, hidden, inter))
+        self.num, self.hidden, self.inter, self.gated = num, hidden, inter, gated
+        self.first = "gate_up_proj" if gated else "up_proj"
+        for name, shape in self._shapes():
+            setattr(self, name, nn.Parameter(torch.empty(shape)))
+
+    def _shapes(self) -> list[tuple[str, tuple[int, int, int]]]:
+        return [(self.first, (self.num, (2 if self.gated else 1) * self.inter, self.hidden)),
+                ("down_proj", (self.num, self.hidden, self.inter))]
+
+    @property
+    def parts(self) -> list[ExpertPart]:
+        i, h = self.inter, self.hidden
+        first = ([ExpertPart("gate_proj", self.first, slice(0, i), i, h), ExpertPart("up_proj", self.first, slice(i, 2 * i), i, h)]
+                 if self.gated else [ExpertPart("up_proj", self.first, slice(None), i, h)])
+        return first + [ExpertPart("down_proj", "down_proj", slice(None), h, i)]
 
     def quantize_(self, fmt: QuantFormat) -> None:
-        for name, shape in (("gate_up_proj", (self.num, 2 * self.inter, self.hidden)),
-                            ("down_proj", (self.num, self.hidden, self.inter))):
+        for name, shape in self._shapes():
             delattr(self, name)
             setattr(self, name, nn.Module())
             register_quant(getattr(self, name), fmt, shape)
         self.quant = fmt
 
     def weights(self) -> tuple[torch.Tensor | QuantWeight, torch.Tensor | QuantWeight]:
-        """(gate_up, down) as the backend's MoE takes them."""
+        """(gate_up or up, down) as the backend's MoE takes them."""
+        first = getattr(self, self.first)
         if self.quant is None:
-            return self.gate_up_proj, self.down_proj
-        return (quant_weight(self.gate_up_proj, self.quant, self.hidden),
-                quant_weight(self.down_proj, self.quant, self.inter))
+            return first, self.down_proj
+        return quant_weight(first, self.quant, self.hidden), quant_weight(self.down_proj, self.quant, self.inter)
 
 
 class SparseMoE(nn.Module):

@@ -3,8 +3,9 @@ weights created directly on the target device; and write checkpoints in exact HF
 
 Checkpoint spellings handled here and nowhere else:
 - Qwen3.5 ``Qwen3_5MoeForConditionalGeneration`` keeps the LM under ``model.language_model.``;
-- routed experts stored per expert (``experts.{e}.gate_proj/up_proj/down_proj``) or packed
-  (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); wmtp holds them packed;
+- routed experts stored per expert (``experts.{e}.gate_proj/up_proj/down_proj``, or up / down for
+  ungated ones) or packed (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]);
+  wmtp holds them packed (``layers.Experts.parts`` maps the two);
 - projections of one input (q/k/v_proj, GDN in_proj_*) are stored apart; wmtp packs each group
   into one ``PackedLinear`` (one GEMM) and the writer splits it back;
 - an MTP head may live in a separate ``mtp.safetensors`` next to a checkpoint that never had one.
@@ -122,9 +123,10 @@ def _quantize_modules(model: TargetLM, quant: QuantConfig) -> None:
         elif isinstance(m, Linear) and not quant.excluded(ckpt):
             m.quantize_(quant.format)
         elif isinstance(m, Experts):
-            kinds = [quant.excluded(f"{ckpt}.0.{kind}") for kind in ("gate_proj", "up_proj", "down_proj")]
+            kinds = [quant.excluded(f"{ckpt}.0.{part.kind}") for part in m.parts]
             if any(kinds) and not all(kinds):
-                raise ConfigError(f"{quant.source}: excludes some of {ckpt}'s gate / up / down projections; exclude all or none")
+                raise ConfigError(f"{quant.source}: excludes some of {ckpt}'s {' / '.join(p.kind for p in m.parts)} "
+                                  "projections; exclude all or none")
             if not any(kinds):
                 m.quantize_(quant.format)
     model.quant = quant
@@ -143,11 +145,8 @@ def quant_groups(model: TargetLM) -> list[QuantGroup]:
         elif isinstance(m, Linear) and m.quant is not None:
             out.append(QuantGroup(ckpt, fmt, m.out_features, m.in_features, name, slice(None)))
         elif isinstance(m, Experts) and m.quant is not None:
-            i, h = m.inter, m.hidden
-            for kind, param, rows, n, k in (("gate_proj", "gate_up_proj", slice(0, i), i, h),
-                                            ("up_proj", "gate_up_proj", slice(i, 2 * i), i, h),
-                                            ("down_proj", "down_proj", slice(None), h, i)):
-                out.append(QuantGroup(f"{ckpt}.*.{kind}", fmt, n, k, f"{name}.{param}", rows, experts=m.num))
+            out += [QuantGroup(f"{ckpt}.*.{p.kind}", fmt, p.n, p.k, f"{name}.{p.param}", p.rows, experts=m.num)
+                    for p in m.parts]
     return out
 
 
@@ -327,6 +326,7 @@ def _targets(model: TargetLM, ckpt_names: list[str]) -> dict[str, _Target]:
     cfg = model.config
     params = dict(model.named_parameters())
     parts = packed_linear_parts(model)
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, Experts)}
     prefix = lm_prefix(cfg)
     out: dict[str, _Target] = {}
     for name in ckpt_names:
@@ -339,15 +339,13 @@ def _targets(model: TargetLM, ckpt_names: list[str]) -> dict[str, _Target]:
             out[name] = _Target(params[packed], packed, (rows,), part)
             continue
         m = _EXPERT_RE.match(ours)
-        if m and m.group(1) + ".gate_up_proj" in params:
-            base, e, kind = m.group(1), int(m.group(2)), m.group(3)
-            key = base + (".down_proj" if kind == "down_proj" else ".gate_up_proj")
-            packed = params[key]
-            if e >= packed.shape[0]:
+        mod = experts.get(m.group(1)) if m else None
+        part = next((p for p in mod.parts if p.kind == m.group(3)), None) if mod is not None else None
+        if part is not None:
+            e, key = int(m.group(2)), f"{m.group(1)}.{part.param}"
+            if e >= mod.num:
                 continue  # reported as unused: expert index beyond num_experts
-            inter = packed.shape[1] // 2
-            rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter), "down_proj": slice(None)}[kind]
-            out[name] = _Target(packed, key, (e, rows), (e, kind))
+            out[name] = _Target(params[key], key, (e, part.rows), (e, part.kind))
     return out
 
 
@@ -358,6 +356,8 @@ def _missing_tensors(model: TargetLM, whole: set[str], pieces: dict[str, set]) -
     by_packed: dict[str, list[tuple[str, str]]] = defaultdict(list)  # packed key -> [(part, our part name)]
     for ours, (packed, part, _rows) in packed_linear_parts(model).items():
         by_packed[packed].append((part, ours))
+    expert_kinds = {f"{n}.{param}": [p.kind for p in m.parts if p.param == param]
+                    for n, m in model.named_modules() if isinstance(m, Experts) for param in {p.param for p in m.parts}}
     missing = []
     for key, p in model.named_parameters():
         if key in whole or (key == "lm_head.weight" and cfg.tie_word_embeddings):
@@ -365,10 +365,9 @@ def _missing_tensors(model: TargetLM, whole: set[str], pieces: dict[str, set]) -
         name = _to_checkpoint_name(cfg, key)
         if key in by_packed:
             missing += [_to_checkpoint_name(cfg, ours) for part, ours in by_packed[key] if part not in pieces[key]]
-        elif key.endswith(("experts.gate_up_proj", "experts.down_proj")) and key in pieces:
-            kinds = ("down_proj",) if key.endswith("down_proj") else ("gate_proj", "up_proj")
+        elif key in expert_kinds and key in pieces:
             base = name.rsplit(".", 1)[0]
-            missing += [f"{base}.{e}.{k}.weight" for e in range(p.shape[0]) for k in kinds
+            missing += [f"{base}.{e}.{k}.weight" for e in range(p.shape[0]) for k in expert_kinds[key]
                         if (e, k) not in pieces[key]]
         else:
             missing.append(name)
@@ -459,17 +458,14 @@ def checkpoint_state(model: TargetLM, expert_layout: str = "per_expert") -> dict
     if model.quant is not None and expert_layout != "per_expert":
         raise ValueError("quantized experts are written per expert (as ModelOpt exports them)")
     out: dict[str, torch.Tensor] = dict(_quant_state(model))
+    expert_parts = {f"{n}.{p.param}": [q for q in m.parts if q.param == p.param]
+                    for n, m in model.named_modules() if isinstance(m, Experts) for p in m.parts}
     for ours, p in unpacked_state_dict(model, skip=_quant_params(model)).items():
         name = _to_checkpoint_name(cfg, ours)
-        if expert_layout == "per_expert" and ours.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        if expert_layout == "per_expert" and ours in expert_parts:
             base = name.rsplit(".", 1)[0]
-            inter = p.shape[1] // 2
-            for e in range(p.shape[0]):
-                if ours.endswith("gate_up_proj"):
-                    out[f"{base}.{e}.gate_proj.weight"] = p[e, :inter]
-                    out[f"{base}.{e}.up_proj.weight"] = p[e, inter:]
-                else:
-                    out[f"{base}.{e}.down_proj.weight"] = p[e]
+            out.update({f"{base}.{e}.{part.kind}.weight": p[e, part.rows] for e in range(p.shape[0])
+                        for part in expert_parts[ours]})
         else:
             out[name] = p
     return {k: v.detach().contiguous().cpu() for k, v in out.items()}

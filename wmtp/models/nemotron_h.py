@@ -10,9 +10,10 @@
   shared ReLU² expert on the block input.
 
 State-dict names are the checkpoints' (``backbone.embeddings``, ``backbone.layers.{i}.mixer.*``,
-``backbone.norm_f``, ``lm_head``; experts per expert, ``mixer.experts.{e}.up_proj``), so loading is a
-name lookup; the attention's q / k / v are packed as in ``layers.Attention``. The Mamba2 mixers
-run through the backend's ``mamba2`` op (the torch reference on every device so far).
+``backbone.norm_f``, ``lm_head``), so loading is a name lookup, but that the routed experts
+(``mixer.experts.{e}.up_proj`` / ``down_proj`` in a checkpoint) are packed (``layers.Experts``)
+and the attention's q / k / v as in ``layers.Attention``. The Mamba2 mixers run through the
+backend's ``mamba2`` op, the routed experts through its ``relu2_moe``.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from torch import nn
 
 from wmtp.config import ModelConfig
 from wmtp.kernels.torch_mamba2 import gated_group_rms_norm
-from wmtp.kernels.torch_relu2_moe import relu2_experts, sigmoid_route
+from wmtp.kernels.common import SigmoidRouting
 from wmtp.models.backend import Backend, get_backend
 from wmtp.models.base import TargetLM
 from wmtp.models.context import ForwardContext
-from wmtp.models.layers import Attention, Linear, embed_norm_cat, make_norm
+from wmtp.models.layers import Attention, Experts, Linear, embed_norm_cat, make_norm
 
 
 def _vector(n: int) -> nn.Parameter:
@@ -85,7 +86,8 @@ class LatentMoE(nn.Module):
         self.gate = nn.Module()
         self.gate.weight = nn.Parameter(torch.empty(cfg.num_experts, h))
         self.gate.e_score_correction_bias = _vector(cfg.num_experts)
-        self.experts = nn.ModuleList(ReLU2MLP(width, cfg.moe_intermediate_size, backend) for _ in range(cfg.num_experts))
+        self.experts = Experts(cfg.num_experts, width, cfg.moe_intermediate_size, gated=False)
+        self.backend = backend
         self.shared_experts = ReLU2MLP(h, cfg.shared_expert_intermediate_size, backend)
         if cfg.moe_latent_size:
             self.fc1_latent_proj = Linear(h, width, False, backend)
@@ -93,10 +95,10 @@ class LatentMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
-        w, idx = sigmoid_route(x, self.gate.weight, self.gate.e_score_correction_bias, c.num_experts_per_tok,
-                               c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+        routing = SigmoidRouting(self.gate.weight, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
+                                 c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
         latent = self.fc1_latent_proj(x) if c.moe_latent_size else x
-        routed = relu2_experts(latent, [(e.up_proj.weight, e.down_proj.weight) for e in self.experts], w, idx)
+        routed = self.backend.relu2_moe(x, latent, routing, *self.experts.weights())
         if c.moe_latent_size:
             routed = self.fc2_latent_proj(routed)
         return routed + self.shared_experts(x)
