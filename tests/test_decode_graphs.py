@@ -58,8 +58,10 @@ def _staggered(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> lis
 
 
 # Triton's interpreter costs ~1 s per tiny forward on the CPU: sizes are kept small for CI.
-# (the two hybrid presets take the same static path: one of them, in both its modes)
-@pytest.mark.parametrize("preset,modes", [("tiny-qwen3-next", ("dense", "windowed")), ("tiny-llama", ("native",))])
+# (the two Qwen hybrid presets take the same static path: one of them, in both its modes; Nemotron-H's
+# Mamba2 / NoPE path in the mode that exercises the most of it)
+@pytest.mark.parametrize("preset,modes", [("tiny-qwen3-next", ("dense", "windowed")), ("tiny-llama", ("native",)),
+                                          ("tiny-nemotron-h", ("windowed",))])
 def test_static_iteration_is_lossless(preset, modes):
     prompts, lens = _prompts(3, seed=1), [7, 4, 9]
     ref = _staggered(_llm(preset, "dense", "off", backend="torch"), prompts, lens)
@@ -69,7 +71,8 @@ def test_static_iteration_is_lossless(preset, modes):
         assert llm.engine.graphs, "the static path did not run"
 
 
-@pytest.mark.parametrize("preset,mode,ks", [("tiny-qwen3-next", "windowed", (1, 3)), ("tiny-llama", "native", (2,))])
+@pytest.mark.parametrize("preset,mode,ks", [("tiny-qwen3-next", "windowed", (1, 3)), ("tiny-llama", "native", (2,)),
+                                            ("tiny-nemotron-h", "windowed", (2,))])
 def test_static_matches_eager_under_forced_acceptance(preset, mode, ks, monkeypatch):
     """Forcing k accepted drafts makes outputs depend on the rollback and the extend being right for
     that k: the static path must give exactly the eager path's tokens and histograms. Its

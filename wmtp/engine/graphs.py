@@ -47,7 +47,7 @@ from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.engine.memory import MemoryManager
 from wmtp.engine.sampling import accept_greedy_batch
 from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
-from wmtp.models.model import CausalLM
+from wmtp.models.base import TargetLM
 
 
 @dataclass
@@ -144,7 +144,7 @@ class DecodeGraphs:
     requests of one engine. One iteration: ``load`` (a no-op while the batch is unchanged), ``run``
     chain / verify / accept / extend, ``fetch``, then ``results`` (possibly after launching the next)."""
 
-    def __init__(self, model: CausalLM, spec: SpecConfig, cfg: EngineConfig, memory: MemoryManager, batch: int,
+    def __init__(self, model: TargetLM, spec: SpecConfig, cfg: EngineConfig, memory: MemoryManager, batch: int,
                  capture: bool, pool=None) -> None:
         start = time.perf_counter()
         self.model, self.spec, self.cfg, self.memory, self.B = model, spec, cfg, memory, batch
@@ -162,9 +162,10 @@ class DecodeGraphs:
         }, dev)
         # RoPE (cos, sin) of every forward's positions (stage.span("ver_pos", "chain_pos")), computed once
         # per iteration by _stage: rows [0, B·d) the verify's and the extend's (same positions), then the
-        # chain steps' B each
-        rot = model.rotary.rot_dim
-        self.rope_cos_sin = tuple(torch.zeros(B * d + g * B, rot, device=dev) for _ in range(2))
+        # chain steps' B each; None for a model without position encoding (NoPE)
+        rotary = model.rotary
+        self.rope_cos_sin = (None if rotary is None else
+                             tuple(torch.zeros(B * d + g * B, rotary.rot_dim, device=dev) for _ in range(2)))
         max_pages = mem.pages_for(cfg.max_model_len + spec.num_draft_tokens)
         self.target_table = torch.zeros(B, max_pages, dtype=torch.int32, device=dev)
         self.ring = spec.uses_ring
@@ -267,7 +268,9 @@ class DecodeGraphs:
                                  self._lens(a.view("ver_start"), self.ext_len), target=False)
         self.ext_ctx.rope = self.ver_ctx.rope
 
-    def _rope_rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.rope_cos_sin is None:
+            return None
         return self.rope_cos_sin[0][start : start + n], self.rope_cos_sin[1][start : start + n]
 
     def _fill_safe(self) -> None:
@@ -313,7 +316,8 @@ class DecodeGraphs:
                 chain_pos = (Lc - 2)[None, :] + self.chain_steps  # [γ-1, B]: step i writes L-2+i
                 a.view("chain_pos").copy_(chain_pos)
                 a.view("chain_slot").copy_(self._draft_slots(chain_pos.T, active).T)
-        self.model.rotary(a.span("ver_pos", "chain_pos"), out=self.rope_cos_sin)
+        if self.rope_cos_sin is not None:
+            self.model.rotary(a.span("ver_pos", "chain_pos"), out=self.rope_cos_sin)
 
     @torch.no_grad()
     def _advance(self) -> None:

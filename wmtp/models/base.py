@@ -75,6 +75,9 @@ class TargetLM(nn.Module, ABC):
     lm_head: nn.Linear | None
     # the checkpoint's weight format (DESIGN §9) when its linears and experts are quantized
     quant: QuantConfig | None = None
+    # RoPE over positions (``rope.RotaryEmbedding``), None without position encoding (NoPE); set by
+    # the subclass (an annotation only: a class value would shadow the registered submodule)
+    rotary: nn.Module | None
     # whether the engine may run this family's decode from static buffers (CUDA graphs): it needs
     # every op of an iteration on the device (``wmtp.engine.graphs``)
     static_decode: bool = False

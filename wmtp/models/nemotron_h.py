@@ -166,12 +166,13 @@ class NemotronHCausalLM(TargetLM):
     """The Nemotron-H target (``TargetLM``); its recurrent layers are the Mamba2 mixers."""
 
     quant = None  # no quantized Nemotron-H checkpoints yet
-    static_decode = False  # the Mamba2 mixers run the torch reference (no device kernels yet)
+    static_decode = True
 
     def __init__(self, cfg: ModelConfig, backend: Backend | str = "torch") -> None:
         super().__init__()
         self.config = cfg
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        self.rotary = None  # NoPE
         self.backbone = nn.Module()
         self.backbone.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.backbone.layers = nn.ModuleList(NemotronHBlock(cfg, b, self.backend, i) for i, b in enumerate(cfg.layer_types))
