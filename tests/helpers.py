@@ -96,7 +96,8 @@ def tiny_model(preset: str, device: str = "cpu", backend: str = "torch", seed: i
                **overrides):
     """A tiny preset's random-weight model with the fewest layers that keep every mechanism: one
     attention layer, plus one GDN layer (dense MLP) on hybrids, whose attention layer then carries
-    the MoE; ``overrides`` change other config fields; ``quantize`` as ``load_model``'s. Interpreted
+    the MoE; ``overrides`` change other config fields; ``quantize`` as ``load_model``'s (a quantized
+    preset's own config without it). Interpreted
     runs cost per layer."""
     from wmtp.config import ModelConfig
     from wmtp.models.loader import build_model, init_random_
@@ -112,8 +113,9 @@ def tiny_model(preset: str, device: str = "cpu", backend: str = "torch", seed: i
             overrides.setdefault("full_attention_interval", 2)
             overrides.setdefault("mlp_only_layers", [0] if "mlp_only_layers" in raw else [])
     cfg = ModelConfig.from_dict({**raw, **overrides})
-    from wmtp.quant import DEFAULT_EXCLUDE, default_config
+    from wmtp.quant import DEFAULT_EXCLUDE, QuantConfig, default_config
 
-    quant = None if quantize is None else default_config(quantize, DEFAULT_EXCLUDE)
+    quant = default_config(quantize, DEFAULT_EXCLUDE) if quantize is not None else (
+        None if "quantization_config" not in raw else QuantConfig.from_config_dict(raw["quantization_config"], preset))
     model = build_model(cfg, device, getattr(torch, raw.get("dtype", "float32")), backend, quant)
     return init_random_(model, seed)

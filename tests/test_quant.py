@@ -11,7 +11,7 @@ import torch
 
 from wmtp.errors import CheckpointError
 from wmtp.quant import (
-    E2M1_VALUES, FP8Block, NVFP4, QuantConfig, default_config, e2m1_codes, e2m1_table, pack_e2m1, unpack_e2m1,
+    E2M1_VALUES, FP8Block, FP8Tensor, NVFP4, QuantConfig, default_config, e2m1_codes, e2m1_table, pack_e2m1, unpack_e2m1,
 )
 
 
@@ -74,9 +74,30 @@ def test_fp8_block_round_trip(shape):
     assert ((got - w).abs() <= w.abs() / 16 + amax / 448 * 2**-9).all()  # e4m3: 3 mantissa bits
 
 
+@pytest.mark.parametrize("shape", [(30, 200), (3, 13, 260)])  # a linear; packed experts: a scale per expert
+def test_fp8_tensor_round_trip_and_layout(shape):
+    """Per-tensor FP8: one scale (amax / 448) per weight, held by the model per row and 128 inputs."""
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+    fmt = FP8Tensor()
+    t = fmt.quantize(w)
+    fmt.check("w", t, shape[-2], shape[-1])
+    assert t["weight_scale"].shape == shape[:-2] and t["input_scale"].shape == shape[:-2]
+    amax = w.abs().amax(dim=(-2, -1), keepdim=True)
+    got = fmt.dequantize(t, torch.float32)
+    assert ((got - w).abs() <= w.abs() / 16 + amax / 448 * 2**-9).all()  # e4m3: 3 mantissa bits
+    model = fmt.to_model(t, shape[-2])
+    assert model["weight_scale"].shape == (*shape[:-1], -(-shape[-1] // 128))
+    assert torch.equal(fmt.dequantize_rows(model, torch.float32), got)
+    back = fmt.to_checkpoint(model)
+    assert torch.equal(back["weight_scale"], t["weight_scale"]) and torch.equal(back["input_scale"], t["input_scale"])
+    with pytest.raises(CheckpointError, match=r"w\.weight_scale: the per-tensor scale must be one float32 value"):
+        FP8Tensor().check("w", {**fmt.quantize(torch.randn(4, 8)), "weight_scale": torch.ones(4)}, 4, 8)
+
+
 def test_weight_bytes_count_every_level():
     assert NVFP4().weight_bytes(2048, 512) == 2048 * 256 + 2048 * 32 + 4
     assert FP8Block().weight_bytes(300, 200) == 300 * 200 + 4 * 3 * 2
+    assert FP8Tensor().weight_bytes(300, 200) == 300 * 200 + 4
 
 
 def test_checks_name_the_tensor_and_what_was_expected():

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from wmtp.kernels.linear import MAX_ROWS, QUANT_MAX_ROWS, LinearTiles, decode_linear, skinny_linear  # noqa: E402
-from wmtp.quant import FP8Block, NVFP4, QuantWeight  # noqa: E402
+from wmtp.quant import FP8Block, FP8Tensor, NVFP4, QuantWeight  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16 = pytest.param(torch.bfloat16, id="bf16")
@@ -36,7 +36,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("rows", [1, 7, MAX_ROWS, QUANT_MAX_ROWS])
-@pytest.mark.parametrize("fmt", [NVFP4(), FP8Block()], ids=["nvfp4", "fp8"])
+@pytest.mark.parametrize("fmt", [NVFP4(), FP8Block(), FP8Tensor()], ids=["nvfp4", "fp8", "fp8_tensor"])
 def test_quant_linear_matches_the_twin(fmt, rows, dtype):
     k = 160 if isinstance(fmt, NVFP4) else 200  # several K steps, the last partial (NVFP4: K a multiple of 16)
     w = _weight(fmt, [40, 23, 7], k, seed=rows)  # N = 70, not a multiple of the tile; three parts' own scales
@@ -69,7 +69,7 @@ def test_quant_linear_bad_input_names_the_problem():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-@pytest.mark.parametrize("fmt", [NVFP4(), FP8Block()], ids=["nvfp4", "fp8"])
+@pytest.mark.parametrize("fmt", [NVFP4(), FP8Block(), FP8Tensor()], ids=["nvfp4", "fp8", "fp8_tensor"])
 def test_dequantize_kernel_equals_the_twin_to_the_bit(fmt, dtype):
     """The prefill path's one-pass dequantization against ``QuantWeight.dequantize``: experts
     [E, N, K] (K over several tiles, the last partial), a packed projection's rows, odd row counts.

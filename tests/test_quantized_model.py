@@ -23,9 +23,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PRESETS = ["tiny-qwen3.5-moe", "tiny-llama"]  # hybrid GDN-MoE (MoE, GDN, gated attention), dense Llama + DeepSeek head
 
 
-def _make(tmp_path, preset: str, fmt: str):
+def _make(tmp_path, preset: str, fmt: str | None):
+    """A random checkpoint of ``preset`` quantized to ``fmt`` (None: the preset's own config)."""
     out = tmp_path / f"{preset}-{fmt}"
-    assert main(["make-checkpoint", "--preset", preset, "--quantize", fmt, "--out", str(out)]) == 0
+    assert main(["make-checkpoint", "--preset", preset, *(["--quantize", fmt] if fmt else []), "--out", str(out)]) == 0
     return out
 
 
@@ -73,29 +74,32 @@ def _e2m1(codes: np.ndarray) -> np.ndarray:
     return np.where(codes >= 8, -1.0, 1.0) * mag[codes & 7]
 
 
-def _dequantized(t: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
-    """The checkpoint's quantized weights as fp32 tensors under the plain names, in numpy."""
+def _dequantized(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's quantized weights (each in the format its tensors spell) as fp32 tensors
+    under the plain names, in numpy."""
     out = {k: v for k, v in t.items() if not k.endswith(("weight_scale", "weight_scale_2", "input_scale",
                                                          "weight_scale_inv"))}
     for k in list(out):
         base = k[: -len(".weight")]
-        if fmt == "nvfp4" and f"{base}.weight_scale_2" in t:
+        if f"{base}.weight_scale_2" in t:  # NVFP4
             b = t[k].numpy()
             codes = np.empty((b.shape[0], 2 * b.shape[1]), dtype=np.int64)
             codes[:, 0::2], codes[:, 1::2] = b & 0x0F, b >> 4  # input 2j in the low nibble
             scale = np.repeat(t[f"{base}.weight_scale"].float().numpy().astype(np.float64), 16, axis=1)
             w = _e2m1(codes) * scale * float(t[f"{base}.weight_scale_2"])
             out[k] = torch.from_numpy(w).float()
-        elif fmt == "fp8" and f"{base}.weight_scale_inv" in t:
+        elif f"{base}.weight_scale_inv" in t:  # block FP8
             w = t[k].float().numpy().astype(np.float64)
             s = t[f"{base}.weight_scale_inv"].numpy().astype(np.float64)
             full = np.kron(s, np.ones((128, 128)))[: w.shape[0], : w.shape[1]]
             out[k] = torch.from_numpy(w * full).float()
+        elif f"{base}.weight_scale" in t:  # per-tensor FP8
+            out[k] = torch.from_numpy(t[k].float().numpy().astype(np.float64) * float(t[f"{base}.weight_scale"])).float()
     return out
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset,fmt", [(p, f) for p in PRESETS for f in ("nvfp4", "fp8")]
+                         + [("tiny-nemotron-h-nvfp4", None)])  # the release's mixed NVFP4 / FP8 / 16 bits
 def test_logits_equal_the_independently_dequantized_model(tmp_path, preset, fmt):
     ckpt = _make(tmp_path, preset, fmt)
     dense = tmp_path / "dense"
@@ -107,7 +111,7 @@ def test_logits_equal_the_independently_dequantized_model(tmp_path, preset, fmt)
             (dense / f.name).write_text(json.dumps(obj))
     t = _tensors(ckpt)
     mtp = {k: v for k, v in t.items() if k.startswith("mtp.")} if (ckpt / "mtp.safetensors").exists() else {}
-    deq = _dequantized(t, fmt)
+    deq = _dequantized(t)
     save_file({k: v.contiguous() for k, v in deq.items() if k not in mtp}, dense / "model.safetensors")
     if mtp:
         save_file({k: v.contiguous() for k, v in deq.items() if k in mtp}, dense / "mtp.safetensors")
@@ -117,14 +121,15 @@ def test_logits_equal_the_independently_dequantized_model(tmp_path, preset, fmt)
     assert (q.score(ids) - ref.score(ids)).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
-def test_greedy_identical_across_modes_quantized(fmt):
+@pytest.mark.parametrize("preset,fmt", [("tiny-qwen3.5-moe", "nvfp4"), ("tiny-qwen3.5-moe", "fp8"),
+                                        ("tiny-nemotron-h-nvfp4", None)])
+def test_greedy_identical_across_modes_quantized(preset, fmt):
     prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((5, 23, 40))]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     outs = {}
     for mode, ring in (("dense", True), ("native", True), ("windowed", True), ("windowed", False)):
         spec = SpecConfig(mode=mode, num_draft_tokens=1 if mode == "dense" else 4, window=8, sink=2, ring=ring)
-        llm = LLM(wmtp.load_model("tiny-qwen3.5-moe", quantize=fmt), spec=spec, max_model_len=64, max_num_seqs=3,
+        llm = LLM(wmtp.load_model(preset, quantize=fmt), spec=spec, max_model_len=64, max_num_seqs=3,
                   page_size=8, prefill_chunk=16)
         outs[(mode, ring)] = [o.token_ids for o in llm.generate(prompts, params)]
     assert all(v == outs[("dense", True)] for v in outs.values())
@@ -162,7 +167,8 @@ def test_malformed_quantized_checkpoints_name_the_problem(tmp_path):
         wmtp.load_model(d)
     (tmp_path / d / "config.json").write_text(json.dumps({**cfg, "quantization_config": {
         "quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": ["*self_attn.k_proj"]}}))
-    with pytest.raises(ConfigError, match=r"excludes \['k_proj'\] of the projections \['q_proj', 'k_proj', 'v_proj'\]"):
+    with pytest.raises(ConfigError, match=r"gives the projections under model\.layers\.\d+\.self_attn, which wmtp runs "
+                       r"as one packed GEMM, different formats \(\{'q_proj': 'nvfp4', 'k_proj': None, 'v_proj': 'nvfp4'\}\)"):
         wmtp.load_model(d)
     with pytest.raises(CheckpointError, match="a checkpoint carries its own format"):
         wmtp.load_model(str(ckpt), quantize="fp8")
@@ -193,6 +199,46 @@ def test_bytes_floor_counts_the_format_not_the_models_copies():
     assert q_bytes.target_dense < f_bytes.target_dense / 4 and q_bytes.draft_dense < f_bytes.draft_dense / 4
 
 
+def test_mixed_checkpoint_as_the_release_writes_it_and_back(tmp_path):
+    """The Nemotron-3-Super NVFP4 release's layout (``MIXED_PRECISION``): routed experts NVFP4 per
+    expert, the Mamba2 and shared-expert projections per-tensor FP8 (weight, weight_scale,
+    input_scale), attention q / k / v in 16 bits; written back bit for bit."""
+    ckpt = _make(tmp_path, "tiny-nemotron-h-nvfp4", None)
+    hf = json.loads((ckpt / "hf_quant_config.json").read_text())["quantization"]
+    assert hf["quant_algo"] == "MIXED_PRECISION"
+    assert hf["quantized_layers"]["backbone.layers.*.mixer.in_proj"] == {"quant_algo": "FP8"}
+    t = _tensors(ckpt)
+    e = "backbone.layers.1.mixer.experts.3.up_proj"
+    assert t[f"{e}.weight"].dtype == torch.uint8 and t[f"{e}.weight_scale"].dtype == torch.float8_e4m3fn
+    assert t[f"{e}.weight_scale_2"].shape == ()
+    for m in ("backbone.layers.0.mixer.in_proj", "backbone.layers.1.mixer.shared_experts.down_proj"):
+        assert t[f"{m}.weight"].dtype == torch.float8_e4m3fn
+        assert t[f"{m}.weight_scale"].shape == () and t[f"{m}.input_scale"].shape == ()
+    assert t["backbone.layers.2.mixer.q_proj.weight"].dtype == torch.float32
+    assert t["mtp.layers.1.mixer.experts.0.up_proj.weight"].dtype == torch.float32  # the MTP layers stay
+    model = wmtp.load_model(str(ckpt))
+    assert model.quant.name == "mixed_fp8_tensor+nvfp4"
+    from wmtp.models.loader import save_checkpoint
+
+    save_checkpoint(model, tmp_path / "again")
+    t2 = _tensors(tmp_path / "again")
+    assert t.keys() == t2.keys() and all(_same(t[k], t2[k]) for k in t)
+
+
+def test_mixed_configs_name_the_layer():
+    from wmtp.quant import QuantConfig
+
+    with pytest.raises(CheckpointError, match="quant_algo MIXED_PRECISION without a quantized_layers object"):
+        QuantConfig.from_config_dict({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"})
+    with pytest.raises(CheckpointError, match=r"quantized_layers\['model.layers.0.mlp.up_proj'\]: quant_algo 'INT4'"):
+        QuantConfig.from_config_dict({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
+                                      "quantized_layers": {"model.layers.0.mlp.up_proj": {"quant_algo": "INT4"}}})
+    q = QuantConfig.from_config_dict({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {
+        "model.layers.0.mlp.up_proj": {"quant_algo": "FP8"}, "model.layers.*.mlp.down_proj": {"quant_algo": "NVFP4"}}})
+    assert q.format_of("model.layers.0.mlp.up_proj").name == "fp8_tensor" and q.excluded("model.layers.1.mlp.up_proj")
+    assert q.format_of("model.layers.5.mlp.down_proj").name == "nvfp4"
+
+
 def test_quantized_presets_carry_the_release_config(tmp_path):
     """``*-nvfp4`` / ``*-fp8`` presets: the base shape with the releases' quantization config, quantized
     random weights made directly (make-checkpoint writes them without --quantize)."""
@@ -208,9 +254,11 @@ def test_quantized_presets_carry_the_release_config(tmp_path):
 
 
 @pytest.mark.whole_tiles
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
-def test_triton_backend_emits_the_twins_tokens(fmt, monkeypatch):
-    """The Triton backend's quantized linears and experts (``skinny_linear``, ``moe_gemv``) in
+@pytest.mark.parametrize("preset,fmt", [("tiny-qwen3.5-moe", "nvfp4"), ("tiny-qwen3.5-moe", "fp8"),
+                                        ("tiny-nemotron-h-nvfp4", None)])
+def test_triton_backend_emits_the_twins_tokens(preset, fmt, monkeypatch):
+    """The Triton backend's quantized linears and experts (``skinny_linear``, ``moe_gemv`` /
+    ``relu2_moe_gemv``; the mixed NVFP4 / FP8 Nemotron-H as well) in
     the whole engine, the static decode iteration the CUDA graphs replay included (prefill, draft,
     verify, extend): the torch backend's greedy tokens."""
     import wmtp.kernels.linear as ql
@@ -226,11 +274,12 @@ def test_triton_backend_emits_the_twins_tokens(fmt, monkeypatch):
 
     monkeypatch.setattr(ql, "skinny_linear", spy("linear", ql.skinny_linear, 1))
     monkeypatch.setattr(qm, "moe_gemv", spy("moe", qm.moe_gemv, 2))
+    monkeypatch.setattr(qm, "relu2_moe_gemv", spy("moe", qm.relu2_moe_gemv, 3))
     spec = SpecConfig(mode="windowed", num_draft_tokens=3, window=8, sink=2)
     prompts = [[5, 9, 3] * 5, [7] * 12]
     outs = []
     for backend, graphs in (("torch", "off"), ("triton", "eager")):
-        llm = LLM(tiny_model("tiny-qwen3.5-moe", DEVICE, backend=backend, quantize=fmt), spec=spec, max_model_len=48,
+        llm = LLM(tiny_model(preset, DEVICE, backend=backend, quantize=fmt), spec=spec, max_model_len=48,
                   max_num_seqs=2, prefill_chunk=16, decode_graphs=graphs)
         outs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))])
         if backend == "triton":

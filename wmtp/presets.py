@@ -251,7 +251,17 @@ def _quantized(base: str, fmt: str) -> dict[str, Any]:
     return {**copy.deepcopy(PRESETS[base]), "quantization_config": default_config(fmt, DEFAULT_EXCLUDE).config_entries()[1]}
 
 
+def _nemotron_nvfp4(base: str) -> dict[str, Any]:
+    """``base`` with the Nemotron-3-Super NVFP4 release's per-module formats (``NEMOTRON_SUPER_LAYERS``)."""
+    from wmtp.quant import NEMOTRON_SUPER_LAYERS, mixed_config
+
+    q = mixed_config(NEMOTRON_SUPER_LAYERS, f"preset {base}-nvfp4").config_entries()[1]
+    return {**copy.deepcopy(PRESETS[base]), "quantization_config": q}
+
+
 PRESETS.update({
+    "nemotron-3-super-120b-a12b-nvfp4": _nemotron_nvfp4("nemotron-3-super-120b-a12b"),
+    "tiny-nemotron-h-nvfp4": _nemotron_nvfp4("tiny-nemotron-h"),
     "qwen3.6-35b-a3b-nvfp4": _quantized("qwen3.6-35b-a3b", "nvfp4"),
     "qwen3.5-122b-a10b-nvfp4": _quantized("qwen3.5-122b-a10b", "nvfp4"),
     "qwen3.6-35b-a3b-fp8": _quantized("qwen3.6-35b-a3b", "fp8"),

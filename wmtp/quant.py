@@ -270,6 +270,55 @@ class FP8Block(QuantFormat):
         return (w.float() * scale).to(dtype)
 
 
+class FP8Tensor(QuantFormat):
+    """ModelOpt's per-tensor FP8 (``quant_algo: FP8``): an fp8-e4m3 weight [N, K], one float32
+    ``weight_scale`` and the ``input_scale`` (W8A8's; unused by a weight-only path, loaded and
+    checked). The model holds the scale per row and 128 inputs, the block-FP8 layout, so one kernel
+    reads both formats."""
+
+    name = "fp8_tensor"
+    suffixes = ("weight", "weight_scale", "input_scale")
+    row_vectors = ("input_scale",)
+    k_block = 128  # the model layout's scale columns (FP8Block's)
+
+    def check(self, name: str, t: Tensors, n: int, k: int) -> None:
+        self._require(name, t)
+        lead = tuple(t["weight"].shape[:-2])
+        _expect(f"{name}.weight", t["weight"], torch.float8_e4m3fn, (*lead, n, k), "the fp8 weight")
+        for s in ("weight_scale", "input_scale"):
+            if not (lead and t[s].numel() == math.prod(lead)):  # packed experts: one value per expert
+                _scalar(f"{name}.{s}", t[s], "the per-tensor scale" if s == "weight_scale" else "the input scale")
+
+    def quantize(self, w: torch.Tensor) -> Tensors:
+        *lead, n, k = w.shape
+        scale = w.float().abs().amax(dim=(-2, -1)).clamp(min=1e-12) / E4M3_MAX  # per tensor (per expert)
+        q = (w.float() / scale[..., None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        return {"weight": q, "weight_scale": scale.reshape(tuple(lead)), "input_scale": torch.ones(tuple(lead), device=w.device)}
+
+    def weight_bytes(self, n: int, k: int) -> int:
+        return n * k + 4
+
+    def model_shapes(self, n: int, k: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"weight": ((n, k), torch.float8_e4m3fn), "weight_scale": ((n, -(-k // self.k_block)), torch.float32),
+                "input_scale": ((n,), torch.float32)}
+
+    def to_model(self, t: Tensors, n: int) -> Tensors:
+        lead, k = tuple(t["weight"].shape[:-2]), t["weight"].shape[-1]
+        cols = -(-k // self.k_block)
+        scale = t["weight_scale"].float().reshape(*lead, 1, 1).expand(*lead, n, cols).contiguous()
+        return {"weight": t["weight"], "weight_scale": scale,
+                "input_scale": t["input_scale"].float().reshape(*lead, 1).expand(*lead, n).contiguous()}
+
+    def to_checkpoint(self, t: Tensors) -> Tensors:
+        return {"weight": t["weight"], "weight_scale": t["weight_scale"][..., 0, 0].clone(),
+                "input_scale": t["input_scale"][..., 0].clone()}
+
+    def dequantize_rows(self, t: Tensors, dtype: torch.dtype) -> torch.Tensor:
+        w = t["weight"]
+        scale = t["weight_scale"].float().repeat_interleave(self.k_block, dim=-1)[..., : w.shape[-1]]
+        return (w.float() * scale).to(dtype)
+
+
 # ---- a quantized weight in the model ------------------------------------------------------------
 
 
@@ -314,16 +363,46 @@ def dense(w: "torch.Tensor | QuantWeight", dtype: torch.dtype) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """A checkpoint's weight format and the modules it leaves unquantized (fnmatch patterns over
-    module names as the checkpoint spells them, e.g. ``lm_head``, ``model.layers.*.mlp.gate``)."""
+    """A checkpoint's weight formats: one ``format`` for every linear and expert but the modules it
+    leaves unquantized (``exclude``: fnmatch patterns over module names as the checkpoint spells
+    them, e.g. ``lm_head``, ``model.layers.*.mlp.gate``); or, ModelOpt's ``MIXED_PRECISION``
+    (``format`` None), a format per module (``layers``: name or pattern -> format), every module
+    not named unquantized."""
 
-    format: QuantFormat
+    format: QuantFormat | None
     exclude: tuple[str, ...] = ()
     source: str = ""  # the file and field it was read from, for error messages
+    layers: tuple[tuple[str, QuantFormat], ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The format's name, or ``mixed`` with the formats it mixes (``mixed_fp8_tensor+nvfp4``)."""
+        if self.format is not None:
+            return self.format.name
+        return "mixed_" + "+".join(sorted({f.name for _, f in self.layers}))
 
     def excluded(self, module: str) -> bool:
         """Whether ``module`` (``model.layers.3.mlp.gate``) stays in the checkpoint's dtype."""
-        return any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(module, p + ".*") for p in self.exclude)
+        return self.format_of(module) is None
+
+    def format_of(self, module: str) -> QuantFormat | None:
+        """``module``'s format (None: it stays in the checkpoint's dtype)."""
+        if self.format is not None:
+            hit = any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(module, p + ".*") for p in self.exclude)
+            return None if hit else self.format
+        exact, patterns = self._layer_index()
+        if module in exact:
+            return exact[module]
+        return next((f for p, f in patterns if fnmatch.fnmatchcase(module, p)), None)
+
+    def _layer_index(self) -> tuple[dict[str, QuantFormat], list[tuple[str, QuantFormat]]]:
+        # a release names every module (tens of thousands, experts one by one): exact names by lookup
+        index = self.__dict__.get("_index")
+        if index is None:
+            exact = {p: f for p, f in self.layers if not any(c in p for c in "*?[")}
+            index = (exact, [(p, f) for p, f in self.layers if p not in exact])
+            object.__setattr__(self, "_index", index)
+        return index
 
     @classmethod
     def from_checkpoint(cls, ckpt: str | Path) -> "QuantConfig | None":
@@ -351,35 +430,68 @@ class QuantConfig:
         if method == "fp8":
             block = q.get("weight_block_size")
             if block is None:
-                raise CheckpointError(f"{where}: quant_method fp8 without weight_block_size (per-tensor FP8 is not "
-                                      "supported; block-scaled FP8 is)")
+                raise CheckpointError(f"{where}: quant_method fp8 without weight_block_size (per-tensor FP8 is read "
+                                      "from ModelOpt's quant_algo FP8; this spelling is block-scaled only)")
             if q.get("fmt", "e4m3") != "e4m3":
                 raise CheckpointError(f"{where}: fmt {q.get('fmt')!r}; only e4m3 is supported")
             return cls(FP8Block(tuple(block)), _patterns(q.get("modules_to_not_convert"), where), where)
-        raise CheckpointError(f"{where}: quant_method {method!r} is not supported (supported: modelopt NVFP4 / "
-                              "FP8_PB_WO, fp8 with weight_block_size)")
+        raise CheckpointError(f"{where}: quant_method {method!r} is not supported (supported: modelopt NVFP4 / FP8 / "
+                              "FP8_PB_WO / MIXED_PRECISION, fp8 with weight_block_size)")
 
     @classmethod
     def _modelopt(cls, q: dict, where: str, exclude) -> "QuantConfig":
-        algo = q.get("quant_algo")
-        if algo == "NVFP4":
-            return cls(NVFP4(int(q.get("group_size", 16))), _patterns(exclude, where), where)
-        if isinstance(algo, str) and algo.upper() == "FP8_PB_WO":
-            block = q.get("block_size", q.get("weight_block_size", [128, 128]))
-            return cls(FP8Block(tuple(block)), _patterns(exclude, where), where)
-        raise CheckpointError(f"{where}: quant_algo {algo!r} is not supported (supported: NVFP4, FP8_PB_WO)")
+        if q.get("quant_algo") == "MIXED_PRECISION":
+            layers = q.get("quantized_layers")
+            if not isinstance(layers, dict) or not layers:
+                raise CheckpointError(f"{where}: quant_algo MIXED_PRECISION without a quantized_layers object")
+            formats: dict[str, QuantFormat] = {}  # one format object per spelling
+            out = []
+            for name, entry in layers.items():
+                if not isinstance(entry, dict):
+                    raise CheckpointError(f"{where}: quantized_layers[{name!r}] must be an object, got {entry!r}")
+                key = json.dumps(entry, sort_keys=True)
+                if key not in formats:
+                    formats[key] = _modelopt_format(entry, f"{where}: quantized_layers[{name!r}]")
+                out.append((name, formats[key]))
+            return cls(None, _patterns(exclude, where), where, tuple(out))
+        return cls(_modelopt_format(q, where), _patterns(exclude, where), where)
 
     def config_entries(self) -> tuple[dict | None, dict]:
         """What a checkpoint of this format carries: (hf_quant_config.json or None, config.json's
         ``quantization_config``), spelled as the public releases spell them."""
-        if isinstance(self.format, NVFP4):
-            q = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": self.format.group,
-                 "exclude_modules": list(self.exclude)}
+        if self.format is None:
+            layers = {p: _modelopt_entry(f) for p, f in self.layers}
+            q = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "quantized_layers": layers}
             return ({"producer": {"name": "modelopt"}, "quantization": q},
-                    {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": self.format.group,
-                     "ignore": list(self.exclude)})
+                    {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": layers})
+        if not isinstance(self.format, FP8Block):
+            q = {**_modelopt_entry(self.format), "kv_cache_quant_algo": None, "exclude_modules": list(self.exclude)}
+            return ({"producer": {"name": "modelopt"}, "quantization": q},
+                    {"quant_method": "modelopt", **_modelopt_entry(self.format), "ignore": list(self.exclude)})
         return None, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                       "weight_block_size": list(self.format.block), "modules_to_not_convert": list(self.exclude)}
+
+
+def _modelopt_format(q: dict, where: str) -> QuantFormat:
+    """The format of one ModelOpt ``quant_algo`` entry."""
+    algo = q.get("quant_algo")
+    if algo == "NVFP4":
+        return NVFP4(int(q.get("group_size", 16)))
+    if algo == "FP8":
+        return FP8Tensor()
+    if isinstance(algo, str) and algo.upper() == "FP8_PB_WO":
+        return FP8Block(tuple(q.get("block_size", q.get("weight_block_size", [128, 128]))))
+    raise CheckpointError(f"{where}: quant_algo {algo!r} is not supported (supported: NVFP4, FP8, FP8_PB_WO, "
+                          "MIXED_PRECISION)")
+
+
+def _modelopt_entry(fmt: QuantFormat) -> dict:
+    """``_modelopt_format``'s inverse: how ModelOpt spells ``fmt``."""
+    if isinstance(fmt, NVFP4):
+        return {"quant_algo": "NVFP4", "group_size": fmt.group}
+    if isinstance(fmt, FP8Tensor):
+        return {"quant_algo": "FP8"}
+    return {"quant_algo": "FP8_PB_WO", "block_size": list(fmt.block)}
 
 
 def _read_json(path: Path) -> dict:
@@ -405,6 +517,24 @@ FORMATS = {"nvfp4": lambda: NVFP4(), "fp8": lambda: FP8Block()}
 #: routers / shared-expert gates (the public releases' lists name these; wmtp never quantizes norms,
 #: the GDN conv, A or dt, which are no linears)
 DEFAULT_EXCLUDE = ("lm_head", "*embed_tokens", "*.mlp.gate", "*.mlp.shared_expert_gate")
+
+
+#: the Nemotron-3-Super NVFP4 release's formats by module kind (its ``quantized_layers`` names each
+#: module of the backbone; these patterns give every module of a kind that kind's format): routed
+#: experts NVFP4; the Mamba2 in / out projections, the shared experts, the latent projections and the
+#: attention output FP8 per tensor; the rest (attention q / k / v, routers, conv, embeddings,
+#: lm_head, the MTP layers) in the checkpoint's 16 bits
+NEMOTRON_SUPER_LAYERS = (
+    ("backbone.layers.*.mixer.experts.*", "nvfp4"),
+    *((f"backbone.layers.*.mixer.{m}", "fp8_tensor") for m in (
+        "in_proj", "out_proj", "o_proj", "fc1_latent_proj", "fc2_latent_proj", "shared_experts.*")),
+)
+LAYER_FORMATS = {"nvfp4": NVFP4, "fp8": FP8Block, "fp8_tensor": FP8Tensor}
+
+
+def mixed_config(layers: tuple[tuple[str, str], ...], source: str) -> QuantConfig:
+    """A MIXED_PRECISION config from (module pattern, format name) pairs."""
+    return QuantConfig(None, (), source, tuple((p, LAYER_FORMATS[f]()) for p, f in layers))
 
 
 def default_config(name: str, exclude: tuple[str, ...]) -> QuantConfig:

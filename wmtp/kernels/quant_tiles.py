@@ -6,7 +6,8 @@ A kernel takes a weight as ``KernelWeight`` (``kernel_weight``): a FORMAT code a
 - ``FLOAT`` (0): the weight itself (scale tensors unused);
 - ``NVFP4`` (1): packed e2m1 bytes [.., N, K/2] (input 2j in the low nibble, 2j + 1 in the high),
   fp8-e4m3 scales per 16 inputs [.., N, K/16], and the per-row fp32 second level [.., N];
-- ``FP8`` (2): fp8-e4m3 weights [.., N, K] and fp32 scales per row and 128 inputs [.., N, K/128].
+- ``FP8`` (2): fp8-e4m3 weights [.., N, K] and fp32 scales per row and 128 inputs [.., N, K/128]
+  (block FP8's, or per-tensor FP8's one scale repeated so).
 
 ``weight_dot`` is one K step of ``W[rows] @ x`` for rows of any shape, over the step's inputs that
 ``x_step`` loaded once for every weight reading them; the NVFP4 tile is loaded as [rows, groups, 8]
@@ -23,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from wmtp.kernels.common import pdl
-from wmtp.quant import FP8Block, NVFP4, QuantWeight
+from wmtp.quant import FP8Block, FP8Tensor, NVFP4, QuantWeight
 
 try:
     import triton
@@ -68,6 +69,8 @@ def kernel_weight(name: str, w: torch.Tensor | QuantWeight) -> KernelWeight:
             kw = KernelWeight(NVFP4_CODE, t["weight"], t["weight_scale"], t["weight_scale_2"], w.in_features)
         elif isinstance(w.format, FP8Block) and w.format.block[1] == 128:
             kw = KernelWeight(FP8_CODE, t["weight"], t["weight_scale_inv"], t["weight_scale_inv"], w.in_features)
+        elif isinstance(w.format, FP8Tensor):  # its per-tensor scale held in block FP8's per-row layout
+            kw = KernelWeight(FP8_CODE, t["weight"], t["weight_scale"], t["weight_scale"], w.in_features)
         else:
             raise ValueError(f"{name}: no kernel reads {w.format.name} weights with blocks {getattr(w.format, 'block', None)}")
         if kw.rows.stride(-1) != 1 or kw.scale.stride(-1) != 1:

@@ -106,45 +106,53 @@ class QuantGroup:
 
 
 def _quantize_modules(model: TargetLM, quant: QuantConfig) -> None:
-    """Swap the weights of every ``Linear`` and ``Experts`` the config does not exclude for the
-    format's tensors. A packed projection (q/k/v, the GDN in-projections) is quantized whole or
-    left whole: a config that excludes only some of its parts is an error naming them."""
+    """Swap the weights of every ``Linear`` and ``Experts`` the config quantizes for its format's
+    tensors. A packed projection (q/k/v, the GDN in-projections) and an expert set (gate / up /
+    down) hold one format: a config that gives their parts different ones is an error naming them."""
     cfg = model.config
     for name, m in model.named_modules():
         ckpt = _to_checkpoint_name(cfg, name)
         if isinstance(m, PackedLinear):
             parent = ckpt.rsplit(".", 1)[0]
-            excluded = {part: quant.excluded(f"{parent}.{part}") for part in m.parts}
-            if any(excluded.values()) and not all(excluded.values()):
-                raise ConfigError(f"{quant.source}: excludes {[p for p, x in excluded.items() if x]} of the projections "
-                                  f"{list(m.parts)} under {parent}, which wmtp runs as one packed GEMM; exclude all or none")
-            if not any(excluded.values()):
-                m.quantize_(quant.format)
-        elif isinstance(m, Linear) and not quant.excluded(ckpt):
-            m.quantize_(quant.format)
+            fmt = _one_format(quant, {part: f"{parent}.{part}" for part in m.parts}, f"the projections under {parent}, "
+                              "which wmtp runs as one packed GEMM,")
+        elif isinstance(m, Linear):
+            fmt = quant.format_of(ckpt)
         elif isinstance(m, Experts):
-            kinds = [quant.excluded(f"{ckpt}.0.{part.kind}") for part in m.parts]
-            if any(kinds) and not all(kinds):
-                raise ConfigError(f"{quant.source}: excludes some of {ckpt}'s {' / '.join(p.kind for p in m.parts)} "
-                                  "projections; exclude all or none")
-            if not any(kinds):
-                m.quantize_(quant.format)
+            fmt = _one_format(quant, {p.kind: f"{ckpt}.0.{p.kind}" for p in m.parts}, f"{ckpt}'s projections")
+        else:
+            continue
+        if fmt is not None:
+            m.quantize_(fmt)
     model.quant = quant
 
 
+def _one_format(quant: QuantConfig, parts: dict[str, str], what: str) -> QuantFormat | None:
+    """The one format of ``parts`` (part -> module name), or an error naming each part's."""
+    fmts = {part: quant.format_of(module) for part, module in parts.items()}
+    if len({None if f is None else f.name for f in fmts.values()}) > 1:
+        named = {part: None if f is None else f.name for part, f in fmts.items()}
+        raise ConfigError(f"{quant.source}: gives {what} different formats ({named}); quantize all alike or none")
+    return next(iter(fmts.values()))
+
+
 def quant_groups(model: TargetLM) -> list[QuantGroup]:
-    """Every quantized checkpoint weight of ``model`` (empty for a model in one float dtype)."""
+    """Every quantized checkpoint weight of ``model`` in its module's format (empty for a model in
+    one float dtype)."""
     if model.quant is None:
         return []
-    cfg, fmt, out = model.config, model.quant.format, []
+    cfg, out = model.config, []
     for name, m in model.named_modules():
         ckpt = _to_checkpoint_name(cfg, name)
-        if isinstance(m, PackedLinear) and m.quant is not None:
+        fmt = getattr(m, "quant", None)
+        if fmt is None or not isinstance(m, (Linear, Experts)):
+            continue
+        if isinstance(m, PackedLinear):
             parent = ckpt.rsplit(".", 1)[0]
             out += [QuantGroup(f"{parent}.{part}", fmt, m.parts[part], m.in_features, name, m.rows(part)) for part in m.parts]
-        elif isinstance(m, Linear) and m.quant is not None:
+        elif isinstance(m, Linear):
             out.append(QuantGroup(ckpt, fmt, m.out_features, m.in_features, name, slice(None)))
-        elif isinstance(m, Experts) and m.quant is not None:
+        else:
             out += [QuantGroup(f"{ckpt}.*.{p.kind}", fmt, p.n, p.k, f"{name}.{p.param}", p.rows, experts=m.num)
                     for p in m.parts]
     return out
