@@ -24,8 +24,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--page-size", type=int, default=64, help="KV page (64: the attention's contiguous path)")
-    ap.add_argument("--presets", default="tiny-qwen3.5-moe,tiny-qwen3-next,tiny-llama,tiny-nemotron-h",
-                    help="comma-separated tiny presets (bf16 weights; tiny-qwen3.5-moe also as nvfp4 and fp8)")
+    ap.add_argument("--presets",
+                    default="tiny-qwen3.5-moe,tiny-qwen3-next,tiny-llama,tiny-nemotron-h,tiny-nemotron-h-nvfp4",
+                    help="comma-separated tiny presets (float weights but quantized presets'; tiny-qwen3.5-moe also as "
+                         "nvfp4 and fp8)")
     a = ap.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 500) for _ in range(rng.choice([5, 40, 120, 300]))] for _ in range(a.prompts)]
