@@ -1,7 +1,8 @@
 """``wmtp bench step`` and ``wmtp bench ttft``: decode-step cost per mode at long context on one GPU.
 
 ``step``: SYNTHETIC context (random KV / states, no prefill) and FORCED acceptance, so a
-random-weight model gives T_iter at any S and AL. Per mode: T_iter (median of N iterations, p10,
+random-weight model gives T_iter at any S and AL (on a GPU, or on the host with a tiny preset: the
+floor then divides by the host's read bandwidth). Per mode: T_iter (median of N iterations, p10,
 p90) as the engine runs by default, one iteration in flight (``t_iter``: the interval between
 consecutive iterations' results), and with every step GPU-synchronised before and after
 (``t_iter_sync``); the bytes floor over the HBM read bandwidth measured in the same run, T / floor, and
@@ -86,7 +87,7 @@ def time_mode(model, mode: str, a: argparse.Namespace, bandwidth: float) -> dict
         for _ in range(3):
             eng.step()
     eng.overlap = False
-    synced = [_sync_time(eng.step) for _ in range(a.warmup + a.iters)][a.warmup:]
+    synced = [_sync_time(eng.step, eng.device) for _ in range(a.warmup + a.iters)][a.warmup:]
     eng.overlap = True
     overlapped = _overlapped_intervals(eng, a.warmup, a.iters)
     state = gpu_state(eng.device)  # right after the timed iterations, still under load's clocks
@@ -228,9 +229,13 @@ def revision() -> str:
         return "unknown"
 
 
+def _dtype(model) -> str:
+    return str(model.embed_weight.dtype).removeprefix("torch.")
+
+
 def weights(model) -> str:
     """The format the model's linears and experts hold: nvfp4 / fp8, or its float dtype."""
-    return model.quant.format.name if model.quant is not None else str(next(model.parameters()).dtype).split(".")[-1]
+    return model.quant.name if model.quant is not None else str(next(model.parameters()).dtype).split(".")[-1]
 
 
 def _meta(a: argparse.Namespace, synthetic: bool, runs: int = 1) -> dict:
@@ -247,12 +252,12 @@ def run_step(a: argparse.Namespace) -> int:
     import wmtp
     from wmtp.bench.floor import measure_bandwidth
 
-    device = torch.device("cuda")
+    device = torch.device(a.device)
     bw = measure_bandwidth(device)
     bw["gpu_state_after"] = gpu_state(device)
-    print(f"read bandwidth {bw['read_bytes_per_s'] / 1e12:.2f} TB/s (the floor's; a copy runs "
-          f"{bw['copy_bytes_per_s'] / 1e12:.2f} TB/s read + write)", flush=True)
-    model = wmtp.load_model(a.preset, device="cuda", dtype="bfloat16", backend=a.backend)
+    print(f"read bandwidth {bw['read_bytes_per_s'] / 1e9:.1f} GB/s (the floor's; a copy runs "
+          f"{bw['copy_bytes_per_s'] / 1e9:.1f} GB/s read + write)", flush=True)
+    model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend)
     modes = [m for m in a.modes.split(",") if m]
     rows = [time_mode(model, m, a, bw["read_bytes_per_s"]) for m in modes]
     by = {r["mode"]: r for r in rows}
@@ -263,7 +268,8 @@ def run_step(a: argparse.Namespace) -> int:
         print(f"native / windowed T_iter = {summary['native_over_windowed']:.3f} "
               f"(synchronised {summary['native_over_windowed_sync']:.3f})", flush=True)
     result = {"kind": "step" if rows else "kernels", "schema": 1,
-              "meta": {**_meta(a, True), "weights": weights(model), "bandwidth": bw, "backend": a.backend,
+              "meta": {**_meta(a, True), "dtype": _dtype(model), "weights": weights(model), "bandwidth": bw,
+                       "backend": a.backend,
                        "decode_graphs": a.decode_graphs,
                        "forced_accept": a.accept,
                        "t_iter": "overlapped (engine default): interval between consecutive iterations' results; "
@@ -300,7 +306,7 @@ def _prefill_seconds(model, spec: SpecConfig, a: argparse.Namespace, prompt: lis
 def run_ttft(a: argparse.Namespace) -> int:
     import wmtp
 
-    model = wmtp.load_model(a.preset, device="cuda", dtype="bfloat16", backend=a.backend)
+    model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend)
     prompt = torch.randint(1, model.config.vocab_size, (a.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     warm = min(a.tokens, 2 * a.chunk + 1)
     rows = []
@@ -335,7 +341,9 @@ def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
         s.add_argument("--window", type=int, default=4032)
         s.add_argument("--sink", type=int, default=64)
         s.add_argument("--page-size", type=int, default=64)
-        s.add_argument("--backend", default="triton")
+        s.add_argument("--device", default="auto", help="cuda | cpu | auto (cuda when there is one)")
+        s.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, the preset's own on CPU")
+        s.add_argument("--backend", default="auto", help="torch | triton | auto (triton on CUDA)")
         s.add_argument("--decode-graphs", default="auto", choices=["auto", "off"],
                        help="CUDA graphs for greedy decode iterations (auto: on with the triton backend)")
         s.add_argument("--out", required=True, help="JSON results file")
@@ -359,8 +367,19 @@ def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
 
 
 def run(a: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        from wmtp.errors import WmtpError
+    from wmtp.errors import WmtpError
+    from wmtp.models.backend import default_backend
 
-        raise WmtpError("wmtp bench needs a CUDA device")
+    if a.device == "auto":
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_gpu = torch.device(a.device).type == "cuda"
+    if on_gpu and not torch.cuda.is_available():
+        raise WmtpError(f"--device={a.device}: no CUDA device here (use --device cpu with a tiny preset)")
+    # what times GPU kernels or queries GPU memory
+    needs_gpu = ["ttft"] if a.bench == "ttft" else [o for o in ("kernels", "admission") if getattr(a, o)]
+    if needs_gpu and not on_gpu:
+        raise WmtpError(f"wmtp bench {a.bench}: {', '.join(needs_gpu)} needs a CUDA device (--device={a.device})")
+    a.backend = default_backend(a.device) if a.backend == "auto" else a.backend
+    if a.dtype is None and on_gpu:
+        a.dtype = "bfloat16"
     return run_step(a) if a.bench == "step" else run_ttft(a)
