@@ -7,8 +7,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from wmtp.kernels.norm import add_rms_norm, embed_norm_cat, norm_rope, qk_norm_rope, rms_norm  # noqa: E402
+from wmtp.kernels.norm import (  # noqa: E402
+    add_rms_norm, embed_norm_cat, gated_group_rms_norm, norm_rope, qk_norm_rope, rms_norm)
 from wmtp.kernels.torch_gdn import gated_rms_norm  # noqa: E402
+from wmtp.kernels import torch_mamba2  # noqa: E402
 from wmtp.models.backend import TorchBackend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,6 +76,24 @@ def test_gated_rms_norm_reads_z_in_place():
     want = gated_rms_norm(x, z.reshape(T, G * R, D), w, 1e-6)
     assert (rms_norm(x, w, 1e-6, gate=z) - want).abs().max().item() <= 1e-5 * want.abs().max().item()
     assert (TorchBackend().gated_rms_norm(x, z, w, 1e-6) - want).abs().max().item() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_group_rms_norm_matches_reference(dtype):
+    """Mamba2's output norm: the gate before the norm, statistics and weight per group, z read in
+    place from a slice of the fused in-projection (rows strided)."""
+    g = torch.Generator().manual_seed(5)
+    T, G, GS = 5, 4, 48
+    fused = torch.randn(T, 3 * G * GS, generator=g).to(DEVICE, dtype)
+    z, y = fused[:, : G * GS], torch.randn(T, G * GS, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(G * GS, generator=g) * 0.3 + 1).to(DEVICE, dtype)
+    want = torch_mamba2.gated_group_rms_norm(y, z, w, GS, 1e-5)
+    got = gated_group_rms_norm(y, z, w, GS, 1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+    with pytest.raises(ValueError, match=r"gated_group_rms_norm: y \(5, 192\), z \(5, 192\).*group_size 40"):
+        gated_group_rms_norm(y, z, w, 40, 1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

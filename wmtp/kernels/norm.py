@@ -1,11 +1,13 @@
-"""Triton RMSNorm: plain (``w * norm(x)``), Qwen3-Next offset (``norm(x) * (1 + w)``) and the GDN
-gated form (``w * norm(x) * silu(z)``), one program per row, fp32 statistics; and the attention
+"""Triton RMSNorm: plain (``w * norm(x)``), Qwen3-Next offset (``norm(x) * (1 + w)``), the GDN
+gated form (``w * norm(x) * silu(z)``) and Mamba2's (``w * norm_g(x * silu(z))`` per group), one
+program per row, fp32 statistics; and the attention
 heads' prologue ``norm_rope``: the per-head q / k RMSNorm and the partial rotary embedding in one
 launch (in PyTorch that is ~14 elementwise kernels per tensor: casts, slices, multiplies, a cat).
 
 At decode sizes each norm is a handful of tiny elementwise kernels in PyTorch (cast, square,
 mean, rsqrt, multiplies); one launch instead matters once the step is replayed from a CUDA graph.
-The twins are ``TorchBackend.rms_norm`` / ``norm_rope`` and ``torch_gdn.gated_rms_norm`` (same cast
+The twins are ``TorchBackend.rms_norm`` / ``norm_rope``, ``torch_gdn.gated_rms_norm`` and
+``torch_mamba2.gated_group_rms_norm`` (same cast
 points, so bf16 results round the same way); ``tests/test_norm_kernel.py`` compares them.
 """
 
@@ -25,21 +27,24 @@ if triton is not None:
     from wmtp.kernels.common import wait_prior
 
     @triton.jit
-    def _rms_row(x, W, OUT, cols, D, eps, OFFSET: tl.constexpr):
-        """Rows ``x`` [R, BLOCK_D] (fp32, masked lanes 0) RMS-normed and weighted by ``W[cols]``,
-        rounded as the reference rounds for an output of OUT's dtype; returned in fp32."""
+    def _rms_row(x, W, OUT, cols, D, eps, OFFSET: tl.constexpr, w_row):
+        """Rows ``x`` [R, BLOCK_D] (fp32, masked lanes 0) RMS-normed and weighted by ``W[w_row +
+        cols]`` (``w_row`` [R, 1] or 0), rounded as the reference rounds for an output of OUT's
+        dtype; returned in fp32."""
         h = x * tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
-        w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(W + w_row + cols[None, :], mask=cols[None, :] < D, other=0.0).to(tl.float32)
         if OFFSET:
             return h * (1.0 + w)
         # the reference casts the norm to the input dtype before the weight multiply
         return (h.to(OUT.dtype.element_ty).to(tl.float32) * w).to(W.dtype.element_ty).to(tl.float32)
 
     @triton.jit
-    def _rms_norm_kernel(X, W, Z, RES, SUM_OUT, OUT, N, D, eps, z_n1, z_n2, z_s0, z_s1, z_s2, OFFSET: tl.constexpr,
-                         GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
-                         PDL: tl.constexpr):
-        """Rows ``pid * ROWS ..`` of the N x D input (ROWS = 1 on a GPU: one row per program)."""
+    def _rms_norm_kernel(X, W, Z, RES, SUM_OUT, OUT, N, D, W_GROUPS, eps, z_n1, z_n2, z_s0, z_s1, z_s2,
+                         OFFSET: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+                         ROWS: tl.constexpr, PDL: tl.constexpr):
+        """Rows ``pid * ROWS ..`` of the N x D input (ROWS = 1 on a GPU: one row per program), row r
+        weighted by W's group ``r % W_GROUPS`` of D. GATED: 0 none, 1 ``norm(x) * silu(z)`` (GDN),
+        2 ``norm(x * silu(z))`` (Mamba2's gate before the norm)."""
         wait_prior(PDL)
         row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
         cols = tl.arange(0, BLOCK_D)
@@ -49,12 +54,17 @@ if triton is not None:
         if RESIDUAL:  # x + residual, rounded to the activation dtype as the reference's add is
             x = x + tl.load(RES + at, mask=ok, other=0.0)
             tl.store(SUM_OUT + at, x, mask=ok)
-        y = _rms_row(x.to(tl.float32), W, OUT, cols, D, eps, OFFSET)
-        if GATED:
+        x = x.to(tl.float32)
+        if GATED != 0:
             # gate row = (i0, i1, i2) of a [n0, n1, n2, D] strided view (e.g. z inside the fused projection)
             z_row = Z + (row // (z_n1 * z_n2)) * z_s0 + (row // z_n2 % z_n1) * z_s1 + (row % z_n2) * z_s2
             z = tl.load(z_row + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-            y = y * (z / (1.0 + tl.exp(-z)))
+            gate = z / (1.0 + tl.exp(-z))
+            if GATED == 2:
+                x = x * gate
+        y = _rms_row(x, W, OUT, cols, D, eps, OFFSET, (row % W_GROUPS) * D)
+        if GATED == 1:
+            y = y * gate
         tl.store(OUT + at, y.to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -67,7 +77,7 @@ if triton is not None:
         ok = cols < D
         row = tl.where(part == 0, E + tl.load(IDS + t * stride_ids) * D, HID + t * D)
         x = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)[None, :]
-        y = tl.reshape(_rms_row(x, tl.where(part == 0, WE, WH), OUT, cols, D, eps, OFFSET), (BLOCK_D,))
+        y = tl.reshape(_rms_row(x, tl.where(part == 0, WE, WH), OUT, cols, D, eps, OFFSET, 0), (BLOCK_D,))
         tl.store(OUT + (2 * t + part) * D + cols, y.to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -148,9 +158,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     if x2.shape[0]:
         rows = launch_tile(1, x2.shape[0], cap=64)
         _rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
-            x2, weight, z, x2, x2, out, x2.shape[0], D, eps, *zn, *zs, OFFSET=offset, GATED=gate is not None,
+            x2, weight, z, x2, x2, out, x2.shape[0], D, 1, eps, *zn, *zs, OFFSET=offset, GATED=int(gate is not None),
             RESIDUAL=False, BLOCK_D=triton.next_power_of_2(D), ROWS=rows, **pdl(x.device))
     return out.view(x.shape)
+
+
+def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
+                         eps: float) -> torch.Tensor:
+    """Mamba2's output norm (``torch_mamba2.gated_group_rms_norm``, its twin): ``weight *
+    rmsnorm_g(y * silu(z))`` over groups of ``group_size`` channels, in one launch; y [T, C]
+    contiguous, z [T, C] with unit-strided rows (a slice of the fused in-projection is fine)."""
+    T, C = y.shape
+    if z.shape != y.shape or weight.shape != (C,) or C % group_size or z.stride(-1) != 1:
+        raise ValueError(f"gated_group_rms_norm: y {tuple(y.shape)}, z {tuple(z.shape)} (unit stride on the last "
+                         f"dim), weight {tuple(weight.shape)} and group_size {group_size} disagree")
+    G = C // group_size
+    y2 = y.contiguous()
+    out = torch.empty_like(y2)
+    if T:
+        rows = launch_tile(1, T * G, cap=64)
+        _rms_norm_kernel[(triton.cdiv(T * G, rows),)](
+            y2, weight, z, y2, y2, out, T * G, group_size, G, eps, G, 1, z.stride(0), group_size, 0, OFFSET=False,
+            GATED=2, RESIDUAL=False, BLOCK_D=triton.next_power_of_2(group_size), ROWS=rows, **pdl(y.device))
+    return out
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False
@@ -165,7 +195,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if x2.shape[0]:
         rows = launch_tile(1, x2.shape[0], cap=64)
         _rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
-            x2, weight, x2, r2, summed, out, x2.shape[0], D, eps, 1, 1, D, 0, 0, OFFSET=offset, GATED=False,
+            x2, weight, x2, r2, summed, out, x2.shape[0], D, 1, eps, 1, 1, D, 0, 0, OFFSET=offset, GATED=0,
             RESIDUAL=True, BLOCK_D=triton.next_power_of_2(D), ROWS=rows, **pdl(x.device))
     return out.view(x.shape), summed.view(x.shape)
 

@@ -73,6 +73,14 @@ class Backend(ABC):
         """GDN's output norm: ``weight * rmsnorm(x) * silu(gate)`` over the last dim. x [T, HV, D];
         gate [T, HV, D] or a [T, G, R, D] view with G·R = HV (z in place in the fused projection)."""
 
+    def gated_group_rms_norm(self, y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
+                             eps: float) -> torch.Tensor:
+        """Mamba2's output norm: ``weight * rmsnorm_g(y * silu(z))`` over groups of ``group_size``
+        channels (``torch_mamba2.gated_group_rms_norm``). y, z [T, C]; returns y's dtype."""
+        from wmtp.kernels.torch_mamba2 import gated_group_rms_norm
+
+        return gated_group_rms_norm(y, z, weight, group_size, eps)
+
     @abstractmethod
     def attention(
         self,
@@ -484,6 +492,13 @@ class TritonBackend(TorchBackend):
         from wmtp.kernels.norm import rms_norm
 
         return rms_norm(x, weight, eps, gate=gate)
+
+    def gated_group_rms_norm(self, y, z, weight, group_size, eps):
+        if y.dtype == torch.float64 or z.stride(-1) != 1:
+            return super().gated_group_rms_norm(y, z, weight, group_size, eps)
+        from wmtp.kernels.norm import gated_group_rms_norm
+
+        return gated_group_rms_norm(y, z, weight, group_size, eps)
 
     def gdn_rollback(self, conv, ssm, rec_tokens, rec_windows, slots, accepted, n):
         if conv.dtype == torch.float64:

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from wmtp.config import ModelConfig
-from wmtp.kernels.torch_mamba2 import gated_group_rms_norm
 from wmtp.kernels.common import SigmoidRouting
 from wmtp.models.backend import Backend, get_backend
 from wmtp.models.base import TargetLM
@@ -63,7 +62,8 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self.in_proj(x).split([m.inner, m.conv_dim, m.heads], dim=-1)
         y = self.backend.mamba2(xbc, dt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, self.A_log,
                                 self.D, self.conv_state, self.ssm_state, ctx, self.layer_idx, m, self.verify_record)
-        return self.out_proj(gated_group_rms_norm(y, z, self.norm.weight, m.inner // m.groups, self.eps).to(x.dtype))
+        normed = self.backend.gated_group_rms_norm(y, z, self.norm.weight, m.inner // m.groups, self.eps)
+        return self.out_proj(normed.to(x.dtype))
 
 
 class ReLU2MLP(nn.Module):
