@@ -27,7 +27,7 @@ from wmtp.kernels.common import SigmoidRouting
 from wmtp.models.backend import Backend, get_backend
 from wmtp.models.base import TargetLM
 from wmtp.models.context import ForwardContext
-from wmtp.models.layers import Attention, Experts, Linear, embed_norm_cat, make_norm
+from wmtp.models.layers import Attention, Experts, Linear, embed_norm_cat, finish, make_norm
 
 
 def _vector(n: int) -> nn.Parameter:
@@ -113,11 +113,15 @@ class NemotronHBlock(nn.Module):
                       "mlp": lambda: ReLU2MLP(cfg.hidden_size, cfg.intermediate_size, backend),
                       "moe": lambda: LatentMoE(cfg, backend)}[block]()
 
-    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.norm(h)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mixer output, residual): the block's output is their sum, the add left to the next norm
+        (``add_forward``, one launch with it), as is the input's when ``residual`` is given (the
+        block's input is then ``x + residual``); ``layers.finish`` sums and norms the last."""
+        x, residual = (self.norm(x), x) if residual is None else self.norm.add_forward(x, residual)
         if self.block == "full_attention":
-            return h + self.mixer(x, None, ctx)  # NoPE
-        return h + (self.mixer(x, ctx) if self.block == "mamba" else self.mixer(x))
+            return self.mixer(x, None, ctx), residual  # NoPE
+        return (self.mixer(x, ctx) if self.block == "mamba" else self.mixer(x)), residual
 
 
 class NemotronHMTPBlock(NemotronHBlock):
@@ -155,11 +159,11 @@ class NemotronHMTPHead(nn.Module):
 
     def step(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
              idx: int) -> torch.Tensor:
-        h = self.fuse(ids, embed, hidden, idx)
+        out = self.fuse(ids, embed, hidden, idx), None
         blocks = self.layers[idx * self.span:(idx + 1) * self.span]
         for block in blocks:
-            h = block(h, ctx)
-        return blocks[-1].final_layernorm(h)
+            out = block(out[0], ctx, out[1])
+        return finish(blocks[-1].final_layernorm, out)
 
 
 class NemotronHCausalLM(TargetLM):
@@ -185,10 +189,10 @@ class NemotronHCausalLM(TargetLM):
         return self.backbone.embeddings.weight
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = self.backbone.embeddings(input_ids)
+        out = self.backbone.embeddings(input_ids), None
         for block in self.backbone.layers:
-            h = block(h, ctx)
-        return self.backbone.norm_f(h)
+            out = block(out[0], ctx, out[1])
+        return finish(self.backbone.norm_f, out)
 
     def mtp_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
                     layer_idx: int = 0) -> torch.Tensor:
@@ -204,11 +208,12 @@ class NemotronHCausalLM(TargetLM):
         (MLP / MoE; the config admits one attention block per step and no Mamba2), so they run on
         the slot's own input, then the attention block writes its K/V."""
         assert self.mtp is not None
-        h = self.mtp.fuse(input_ids, self.embed_weight, hidden, layer_idx)
+        out = self.mtp.fuse(input_ids, self.embed_weight, hidden, layer_idx), None
         for block in self.mtp.layers[layer_idx * self.mtp.span:(layer_idx + 1) * self.mtp.span]:
             if block.block == "full_attention":
-                return block.mixer.write_kv(block.norm(h), None, ctx)
-            h = block(h, ctx)
+                x = block.norm(out[0]) if out[1] is None else block.norm.add_forward(*out)[0]
+                return block.mixer.write_kv(x, None, ctx)
+            out = block(out[0], ctx, out[1])
 
     def attention_layers(self) -> list[nn.Module]:
         return [b.mixer for b in self.backbone.layers if b.block == "full_attention"]
