@@ -73,6 +73,10 @@ CASES = [
                  SamplingParams(temperature=1.0), id="llama-windowed-t1.0"),
     pytest.param("tiny-qwen3-next", SpecConfig(mode="native", num_draft_tokens=3),
                  SamplingParams(temperature=0.8, top_k=4, top_p=0.9), id="qwen3next-native-t0.8-k4-p0.9"),
+    # a pruned draft vocabulary: q is zero outside V′ = {0, 2, 3, 5}, the output still the target's
+    pytest.param("tiny-llama", SpecConfig(mode="windowed", num_draft_tokens=3, sink=2, window=4,
+                                          draft_vocab=(0, 2, 3, 5)),
+                 SamplingParams(temperature=1.0), id="llama-windowed-t1.0-draft-vocab"),
 ]
 
 

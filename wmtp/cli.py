@@ -94,6 +94,60 @@ def score(a: argparse.Namespace) -> int:
 register("score", "perplexity of a text under the target model", _score_args, score)
 
 
+def _draft_vocab_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint directory")
+    src.add_argument("--preset", help="preset name (random weights, the built-in small tokenizer)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--corpus", help="text file whose tokens are counted (with the model's tokenizer)")
+    what.add_argument("--generate", type=int, metavar="N", help="count the target's own greedy continuations of N "
+                      "random prompts")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per prompt (--generate)")
+    p.add_argument("--size", type=int, required=True, help="K: the ranking's length (SpecConfig.draft_vocab_size "
+                   "may keep fewer)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", required=True, help="the rank file (JSON) for SpecConfig.draft_vocab")
+
+
+def draft_vocab(a: argparse.Namespace) -> int:
+    import random
+    from pathlib import Path
+
+    import wmtp
+    from wmtp.engine.draft_vocab import count_tokens, write_rank_file
+    from wmtp.tokenizer import TextTokenizer
+
+    name = a.model or a.preset
+    model = wmtp.load_model(name, device=a.device, seed=a.seed) if a.preset else wmtp.load_model(name, device=a.device)
+    vocab = model.config.vocab_size
+    if not 0 < a.size <= vocab:
+        raise WmtpError(f"--size {a.size} must be in [1, {vocab}] (the vocabulary)")
+    if a.corpus:
+        tok = TextTokenizer.for_model(name, vocab)
+        if tok is None:
+            raise WmtpError(f"{name}: no tokenizer to count --corpus with")
+        counts = count_tokens([tok.encode(Path(a.corpus).read_text())])
+        source = {"corpus": str(a.corpus), "model": name}
+    else:
+        rng = random.Random(a.seed)
+        prompts = [[rng.randrange(vocab) for _ in range(16)] for _ in range(a.generate)]
+        llm = wmtp.LLM(model, spec=wmtp.SpecConfig(mode="dense", num_draft_tokens=1),
+                       max_model_len=16 + a.max_tokens, max_num_seqs=min(8, a.generate))
+        outs = llm.generate(prompts, wmtp.SamplingParams(max_tokens=a.max_tokens, ignore_eos=True))
+        counts = count_tokens(o.token_ids for o in outs)
+        source = {"generated": {"prompts": a.generate, "tokens_each": a.max_tokens, "seed": a.seed, "greedy": True},
+                  "model": name}
+    out = write_rank_file(a.out, counts, a.size, source)
+    print(f"{sum(counts.values())} tokens counted, {len(counts)} distinct; the {min(a.size, len(counts))} most "
+          f"frequent written to {out}")
+    return 0
+
+
+register("draft-vocab", "rank tokens by frequency for a pruned draft vocabulary (SpecConfig.draft_vocab)",
+         _draft_vocab_args, draft_vocab)
+
+
 def _generate_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory")

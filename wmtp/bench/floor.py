@@ -7,7 +7,8 @@ iteration (γ = d − 1), for any ``TargetLM``:
   actually route to (distinct, per layer, measured), the lm_head once, the target KV of S tokens,
   the recurrent states;
 - draft (γ MTP forwards: γ − 1 steps + the extend): each reads the MTP layer's dense weights, its
-  routed experts (measured), the lm_head, and the draft KV it attends to: S slots (native) or
+  routed experts (measured), the lm_head (the rows of a pruned draft vocabulary only), and the
+  draft KV it attends to: S slots (native) or
   sink + W (windowed).
 """
 
@@ -118,6 +119,8 @@ def step_bytes(model: TargetLM, spec: SpecConfig, context: int, distinct: dict[i
     target_dense -= emb.numel() * emb.element_size()  # only the looked-up rows are read
     lm = model.lm_head.weight if model.lm_head is not None else emb
     lm_bytes = lm.numel() * lm.element_size()
+    draft_ids = spec.draft_vocab_ids(cfg.vocab_size)  # a pruned draft head reads its rows only
+    draft_lm_bytes = lm_bytes if draft_ids is None else len(draft_ids) * lm.shape[1] * lm.element_size()
     gamma = spec.gamma
     target_experts = int(sum(distinct.get(id(m), 0) * weights.expert(m) for m in target_moes))
     draft_dense = draft_experts = draft_kv = 0
@@ -131,7 +134,7 @@ def step_bytes(model: TargetLM, spec: SpecConfig, context: int, distinct: dict[i
     return StepBytes(
         target_dense=target_dense, target_experts=target_experts,
         target_kv=context * cfg.target_kv_bytes_per_token(elt), states=state_bytes(cfg, elt),
-        lm_head=(1 + gamma) * lm_bytes, draft_dense=draft_dense, draft_experts=draft_experts, draft_kv=draft_kv,
+        lm_head=lm_bytes + gamma * draft_lm_bytes, draft_dense=draft_dense, draft_experts=draft_experts, draft_kv=draft_kv,
     )
 
 

@@ -18,6 +18,8 @@ class SpecConfig:
 
     ``window_min_context=N``: a request drafts with the window only once its context exceeds N
     (shorter contexts read all keys, which needs the full-length pool: ``ring=False``).
+    ``draft_vocab``: the draft proposes tokens of this sub-vocabulary only (a ``wmtp draft-vocab``
+    rank file, or token ids), its first ``draft_vocab_size`` when given (``engine.draft_vocab``).
     """
 
     mode: str = "windowed"
@@ -26,6 +28,8 @@ class SpecConfig:
     sink: int = 64
     ring: bool = True
     window_min_context: int = 0
+    draft_vocab: str | tuple[int, ...] | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -43,6 +47,12 @@ class SpecConfig:
             raise ConfigError(f"SpecConfig.sink={self.sink!r} must be an int >= 0")
         if self.window_min_context < 0:
             raise ConfigError(f"SpecConfig.window_min_context={self.window_min_context} must be >= 0")
+        size = self.draft_vocab_size
+        if size is not None and (not isinstance(size, int) or size < 1 or self.draft_vocab is None):
+            raise ConfigError(f"SpecConfig.draft_vocab_size={self.draft_vocab_size!r} must be an int >= 1 beside a "
+                              "draft_vocab")
+        if self.draft_vocab is not None and not self.speculative:
+            raise ConfigError("SpecConfig.draft_vocab: mode 'dense' has no draft")
         if self.uses_ring and self.window_min_context > 0:
             raise ConfigError(
                 "SpecConfig.window_min_context > 0 needs ring=False: below that context the draft reads "
@@ -73,6 +83,14 @@ class SpecConfig:
     @property
     def ring_size(self) -> int:
         return self.sink + self.window + self.num_draft_tokens
+
+    def draft_vocab_ids(self, vocab_size: int) -> list[int] | None:
+        """The draft vocabulary's token ids (None: the whole vocabulary)."""
+        if self.draft_vocab is None:
+            return None
+        from wmtp.engine.draft_vocab import load_ids
+
+        return load_ids(self.draft_vocab, self.draft_vocab_size, vocab_size)
 
     def window_for(self, context_len: int) -> DraftWindow | None:
         """The window a request with ``context_len`` committed tokens drafts with (None = all keys)."""

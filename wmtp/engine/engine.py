@@ -80,6 +80,8 @@ class Engine:
         if spec.speculative and model.mtp is None:
             raise WmtpError(f"mode {spec.mode!r} needs an MTP head; this model has none (use mode='dense')")
         self.model, self.spec, self.eng = model, spec, eng
+        ids = spec.draft_vocab_ids(model.config.vocab_size)
+        self.draft_head = None if ids is None else model.draft_head(ids)  # the pruned draft lm_head
         p = model.embed_weight
         self.device, self.dtype = p.device, p.dtype
         self.memory = MemoryManager(model.config, spec, eng, self.dtype)
@@ -309,7 +311,7 @@ class Engine:
                 ids = torch.tensor([dr[-1] for dr in drafts], device=self.device)
                 ctx = self._draft_ctx(reqs, [L - 2 + i for L in lens], [1] * len(reqs), windows)
                 hid = self.model.mtp_forward(ids, hid, ctx)
-                logits = self.model.draft_logits(hid)
+                logits = self.model.draft_logits(hid, self.draft_head)
                 for b, r in enumerate(reqs):
                     tok, q = self._sample_draft(r, logits[b : b + 1], lens[b] + i)
                     drafts[b].append(tok)
@@ -423,7 +425,8 @@ class Engine:
             return None
         if B not in self.graphs:
             self.graphs[B] = DecodeGraphs(self.model, self.spec, self.eng, self.memory, B,
-                                          capture=self._graph_mode == "capture", pool=self._graph_pool)
+                                          capture=self._graph_mode == "capture", pool=self._graph_pool,
+                                          draft_head=self.draft_head)
         return self.graphs[B]
 
     def _iteration_static(self, reqs: list[Request], graphs: DecodeGraphs) -> None:
@@ -510,7 +513,8 @@ class Engine:
     # ---- draft helpers -------------------------------------------------------------------------
     def _set_draft(self, req: Request, mtp_out: torch.Tensor) -> None:
         req.draft_hidden = mtp_out
-        req.draft_token, req.draft_q = self._sample_draft(req, self.model.draft_logits(mtp_out), len(req.tokens))
+        req.draft_token, req.draft_q = self._sample_draft(req, self.model.draft_logits(mtp_out, self.draft_head),
+                                                          len(req.tokens))
 
     def _sample_draft(self, req: Request, logits: torch.Tensor, pos: int) -> tuple[int, torch.Tensor | None]:
         """Propose the token at sequence position ``pos`` (tests override this to inject drafts:

@@ -47,7 +47,7 @@ from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.engine.memory import MemoryManager
 from wmtp.engine.sampling import accept_greedy_batch
 from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
-from wmtp.models.base import TargetLM
+from wmtp.models.base import DraftHead, TargetLM
 
 
 @dataclass
@@ -145,9 +145,10 @@ class DecodeGraphs:
     chain / verify / accept / extend, ``fetch``, then ``results`` (possibly after launching the next)."""
 
     def __init__(self, model: TargetLM, spec: SpecConfig, cfg: EngineConfig, memory: MemoryManager, batch: int,
-                 capture: bool, pool=None) -> None:
+                 capture: bool, pool=None, draft_head: DraftHead | None = None) -> None:
         start = time.perf_counter()
         self.model, self.spec, self.cfg, self.memory, self.B = model, spec, cfg, memory, batch
+        self.draft_head = draft_head
         self.gamma, self.d = spec.gamma, spec.verify_tokens
         weight = model.embed_weight
         self.device, dtype = weight.device, weight.dtype
@@ -338,7 +339,7 @@ class DecodeGraphs:
         self.drafts[:, 0] = ids
         for i, ctx in enumerate(self.chain_ctx, start=1):
             hid = model.mtp_forward(ids, hid, ctx)
-            ids = model.backend.argmax(model.draft_logits(hid), out=self.drafts[:, i])
+            ids = model.backend.argmax(model.draft_logits(hid, self.draft_head), out=self.drafts[:, i])
 
     @torch.no_grad()
     def _verify(self) -> None:
@@ -377,7 +378,7 @@ class DecodeGraphs:
         self.run_extend_inputs()
         out = model.mtp_forward(self.ext_ids.view(-1), self.ver_hidden, self.ext_ctx)
         self.run_extend_outputs(out)
-        model.backend.argmax(model.draft_logits(self.next_hidden), out=self.next_d1)
+        model.backend.argmax(model.draft_logits(self.next_hidden, self.draft_head), out=self.next_d1)
 
     def _extend_inputs(self) -> None:
         """Extend inputs from the accepted counts on the device: ids [d_1..d_a, bonus, 0...], the

@@ -14,6 +14,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -63,6 +64,13 @@ def recurrent_state(cfg: ModelConfig) -> RecurrentState | None:
         return RecurrentState("mamba2", cfg.layer_types.count("mamba"), m.conv_dim, m.conv_kernel,
                               (m.heads, m.head_dim, m.state), record_width(m.heads, m.head_dim, m.groups, m.state))
     return None
+
+
+class DraftHead(NamedTuple):
+    """A pruned draft lm_head (``TargetLM.draft_head``): token ids [K] and their rows [K, H]."""
+
+    ids: torch.Tensor
+    weight: torch.Tensor
 
 
 class TargetLM(nn.Module, ABC):
@@ -117,11 +125,23 @@ class TargetLM(nn.Module, ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden, self._lm_head_weight())
 
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, hidden: torch.Tensor, head: DraftHead | None = None) -> torch.Tensor:
         """``compute_logits`` of MTP outputs, through the backend's linear (a 1-row draft step's
         lm_head may take a decode kernel instead of cuBLAS). Only drafts come from these logits and
-        the target verifies each, so their summation order can never change the output."""
-        return self.backend.linear(hidden, self._lm_head_weight())
+        the target verifies each, so their summation order can never change the output. With a
+        pruned ``head`` (``draft_head``) only its rows are read; the other tokens' logits are -inf
+        (a greedy draft is the argmax over the sub-vocabulary, a sampled draft's q zero outside it)."""
+        if head is None:
+            return self.backend.linear(hidden, self._lm_head_weight())
+        small = self.backend.linear(hidden, head.weight)
+        out = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
+        return out.index_copy_(out.dim() - 1, head.ids, small)
+
+    def draft_head(self, ids: list[int]) -> DraftHead:
+        """The lm_head rows of the token ``ids`` gathered into one contiguous weight (made once)."""
+        w = self._lm_head_weight()
+        idx = torch.tensor(ids, dtype=torch.long, device=w.device)
+        return DraftHead(idx, w.index_select(0, idx).contiguous())
 
     def _lm_head_weight(self) -> torch.Tensor:
         return self.embed_weight if self.lm_head is None else self.lm_head.weight

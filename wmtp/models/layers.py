@@ -276,7 +276,8 @@ class Experts(nn.Module):
     @property
     def parts(self) -> list[ExpertPart]:
         i, h = self.inter, self.hidden
-        first = ([ExpertPart("gate_proj", self.first, slice(0, i), i, h), ExpertPart("up_proj", self.first, slice(i, 2 * i), i, h)]
+        first = ([ExpertPart("gate_proj", self.first, slice(0, i), i, h),
+                  ExpertPart("up_proj", self.first, slice(i, 2 * i), i, h)]
                  if self.gated else [ExpertPart("up_proj", self.first, slice(None), i, h)])
         return first + [ExpertPart("down_proj", "down_proj", slice(None), h, i)]
 
