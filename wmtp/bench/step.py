@@ -33,7 +33,12 @@ from wmtp.engine.engine import Engine
 
 
 def _spec(mode: str, d: int, window: int, sink: int) -> SpecConfig:
-    return SpecConfig(mode=mode, num_draft_tokens=d if mode != "dense" else 1, window=window, sink=sink)
+    """``mode``, or ``mode:V<K>``: with a pruned draft vocabulary of K tokens, the first K ids (a
+    cost measurement: which tokens does not change the bytes a step reads)."""
+    base, _, k = mode.partition(":V")
+    vocab = tuple(range(int(k))) if k else None
+    return SpecConfig(mode=base, num_draft_tokens=d if base != "dense" else 1, window=window, sink=sink,
+                      draft_vocab=vocab)
 
 
 def release_pools(model) -> None:
@@ -336,7 +341,8 @@ def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
                        ("ttft", "TTFT of a real chunked prefill, per mode")):
         s = sub.add_parser(name, help=help, description=help)
         s.add_argument("--preset", default="qwen3.6-35b-a3b")
-        s.add_argument("--modes", default="dense,native,windowed")
+        s.add_argument("--modes", default="dense,native,windowed",
+                       help="comma-separated; mode:V<K> drafts over a pruned vocabulary of K tokens (cost only)")
         s.add_argument("-d", type=int, default=7, help="num_draft_tokens")
         s.add_argument("--window", type=int, default=4032)
         s.add_argument("--sink", type=int, default=64)
