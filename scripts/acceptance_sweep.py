@@ -5,6 +5,7 @@ windowed, with each prompt prefilled ONCE and forked into every speculative conf
     PYTHONPATH=. python scripts/acceptance_sweep.py run --tasks niah_single vt --seeds 0
     PYTHONPATH=. python scripts/acceptance_sweep.py falsifier --window 512 --seeds 0 1
     PYTHONPATH=. python scripts/acceptance_sweep.py spotcheck
+    PYTHONPATH=. python scripts/acceptance_sweep.py vocab --cache /work/cache/accept_vocab
 
 ``run`` / ``falsifier`` write one raw record per prompt to ``--cache`` (resumable: a prompt whose
 record exists is skipped); ``scripts/acceptance_assemble.py`` turns the records into schema JSON.
@@ -185,9 +186,68 @@ def cmd_spotcheck(a: argparse.Namespace) -> None:
                                f"{a.tokens} --gen {a.gen}", "rows": rows}, indent=1) + "\n")
 
 
+VOCAB_SIZES = (4096, 8192, 16384)
+
+
+def vocab_grid(rank_file: str) -> dict[str, SpecConfig]:
+    """Windowed W = 512, sink 16, d = 3 over the full vocabulary and over the K most frequent tokens
+    of ``rank_file`` for each K of ``VOCAB_SIZES`` (at d = 3 every acceptance count is reached; no
+    iteration of the grid ever accepted 3 drafts)."""
+    base = dict(mode="windowed", num_draft_tokens=3, window=512, sink=16)
+    specs = {"w512-s16-d3-full": SpecConfig(**base)}
+    for k in VOCAB_SIZES:
+        specs[f"w512-s16-d3-V{k}"] = SpecConfig(**base, draft_vocab=rank_file, draft_vocab_size=k)
+    return specs
+
+
+def cmd_vocab(a: argparse.Namespace) -> None:
+    """The acceptance cost of a pruned draft vocabulary: every task's prompt decoded under
+    ``vocab_grid`` (the rank file counts the head's training corpora, ``--rank-file``), then
+    ``benchmarks/results/acceptance/draft_vocab.json``: pooled AL and α_1, α_2 (Wilson 95%) and the
+    per-prompt AL difference to the full vocabulary (95% t interval)."""
+    from wmtp.analysis.stats import alpha_intervals, mean_ci
+    from wmtp.engine.metrics import acceptance_length
+    from wmtp.workloads import make_workload
+
+    model = load(a.model, a.head)
+    specs = vocab_grid(a.rank_file)
+    names = []
+    for seed in a.seeds:
+        for task in a.tasks:
+            w = make_workload(task, a.tokens, a.model, seed=seed, chat=True)
+            names.append(f"{task}-s{seed}-{a.tokens}")
+            process(model, names[-1], w, specs, a, ignore_eos=True)
+    recs = [json.loads((Path(a.cache) / f"{n}.json").read_text()) for n in names]
+    full = [acceptance_length(r["configs"]["w512-s16-d3-full"]["hist"]) for r in recs]
+    rows = []
+    for name, spec in specs.items():
+        hists = [r["configs"][name]["hist"] for r in recs]
+        pooled = [sum(col) for col in zip(*hists)]
+        diff = mean_ci([acceptance_length(h) - f for h, f in zip(hists, full)])
+        same = sum(r["configs"][name]["tokens"] == r["dense"]["tokens"] for r in recs)
+        rows.append({"config": name, "draft_vocab_size": spec.draft_vocab_size, "iterations": sum(pooled),
+                     "al_pooled": acceptance_length(pooled),
+                     "alphas": [[x.alpha, x.lo, x.hi, x.k, x.n] for x in alpha_intervals(pooled)[:2]],
+                     "al_minus_full": [diff.mean, diff.lo, diff.hi], "outputs_equal_dense": f"{same}/{len(recs)}"})
+        print(rows[-1], flush=True)
+    rank = json.loads(Path(a.rank_file).read_text())
+    out = Path("benchmarks/results/acceptance/draft_vocab.json")
+    out.write_text(json.dumps({
+        "what": "SmolLM2-135M + its MTP head, windowed W=512 sink=16 d=3, greedy, a pruned draft vocabulary of the "
+                "K most frequent tokens against the full 49,152: pooled AL, alpha_1..2 [alpha, lo, hi, k, n] (Wilson "
+                "95%), mean per-prompt AL(K) - AL(full) with 95% t CI; outputs must equal dense's",
+        "prompts": f"{len(recs)} chat-wrapped RULER prompts of {a.tokens} tokens ({', '.join(a.tasks)}; seeds "
+                   f"{a.seeds}), {a.gen} tokens each with ignore_eos, CPU fp32",
+        "ranking": {"file": a.rank_file, "source": rank.get("source"), "tokens_counted": rank.get("tokens_counted")},
+        "command": f"PYTHONPATH=. python scripts/acceptance_sweep.py vocab --rank-file {a.rank_file}",
+        "rows": rows}, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", choices=["run", "falsifier", "spotcheck"])
+    ap.add_argument("cmd", choices=["run", "falsifier", "spotcheck", "vocab"])
+    ap.add_argument("--rank-file", default="benchmarks/results/acceptance/draft_vocab_rank.json",
+                    help="vocab: the draft-vocab rank file (wmtp draft-vocab)")
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--head", default=HEAD)
     ap.add_argument("--tasks", nargs="*", default=TASKS)
@@ -201,7 +261,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    {"run": cmd_run, "falsifier": cmd_falsifier, "spotcheck": cmd_spotcheck}[a.cmd](a)
+    {"run": cmd_run, "falsifier": cmd_falsifier, "spotcheck": cmd_spotcheck, "vocab": cmd_vocab}[a.cmd](a)
 
 
 if __name__ == "__main__":

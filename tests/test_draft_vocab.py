@@ -110,7 +110,7 @@ def test_corpus_ranking(tmp_path):
     out = tmp_path / "v.json"
     assert main(["draft-vocab", "--preset", "tiny-llama", "--corpus", str(corpus), "--size", "8", "--out", str(out)]) == 0
     obj = json.loads(out.read_text())
-    assert obj["source"]["corpus"] == str(corpus) and len(obj["ids"]) <= 8 and obj["tokens_counted"] > 0
+    assert obj["source"]["corpus"] == [str(corpus)] and len(obj["ids"]) <= 8 and obj["tokens_counted"] > 0
 
 
 def test_floor_reads_the_pruned_head():

@@ -99,7 +99,8 @@ def _draft_vocab_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help="checkpoint directory")
     src.add_argument("--preset", help="preset name (random weights, the built-in small tokenizer)")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--corpus", help="text file whose tokens are counted (with the model's tokenizer)")
+    what.add_argument("--corpus", nargs="+", metavar="FILE|NAME", help="text files or built-in corpora (wmtp.workloads: "
+                      "pg_essays, shakespeare) whose tokens are counted with the model's tokenizer")
     what.add_argument("--generate", type=int, metavar="N", help="count the target's own greedy continuations of N "
                       "random prompts")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per prompt (--generate)")
@@ -127,8 +128,12 @@ def draft_vocab(a: argparse.Namespace) -> int:
         tok = TextTokenizer.for_model(name, vocab)
         if tok is None:
             raise WmtpError(f"{name}: no tokenizer to count --corpus with")
-        counts = count_tokens([tok.encode(Path(a.corpus).read_text())])
-        source = {"corpus": str(a.corpus), "model": name}
+        from wmtp.workloads.corpora import CORPORA, load_corpus
+
+        texts = [text for c in a.corpus for text in ([d for _, d in load_corpus(c)] if c in CORPORA
+                                                      else [Path(c).read_text()])]
+        counts = count_tokens(tok.encode(t) for t in texts)
+        source = {"corpus": list(a.corpus), "documents": len(texts), "model": name}
     else:
         rng = random.Random(a.seed)
         prompts = [[rng.randrange(vocab) for _ in range(16)] for _ in range(a.generate)]
