@@ -169,7 +169,6 @@ class NemotronHMTPHead(nn.Module):
 class NemotronHCausalLM(TargetLM):
     """The Nemotron-H target (``TargetLM``); its recurrent layers are the Mamba2 mixers."""
 
-    quant = None  # no quantized Nemotron-H checkpoints yet
     static_decode = True
 
     def __init__(self, cfg: ModelConfig, backend: Backend | str = "torch") -> None:
