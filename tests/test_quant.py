@@ -114,6 +114,8 @@ def test_checks_name_the_tensor_and_what_was_expected():
         fmt.check("m", {**t, "weight_scale_2": torch.ones(2)}, 8, 32)
     with pytest.raises(CheckpointError, match="multiple of 16"):
         fmt.check("m", t, 8, 40)
+    with pytest.raises(CheckpointError, match=r"NVFP4: in_features 40 of a \[8, 40\] weight must be a multiple of 16"):
+        fmt.quantize(torch.randn(8, 40))
     f8 = FP8Block()
     t8 = f8.quantize(torch.randn(8, 32))
     with pytest.raises(CheckpointError, match=r"m\.weight_scale_inv: the scale per 128 x 128 block must be"):

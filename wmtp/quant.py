@@ -180,6 +180,8 @@ class NVFP4(QuantFormat):
 
     def quantize(self, w: torch.Tensor) -> Tensors:
         *lead, n, k = w.shape
+        if k % self.group:
+            raise CheckpointError(f"NVFP4: in_features {k} of a {list(w.shape)} weight must be a multiple of {self.group}")
         w32 = w.float()
         amax = w32.abs().amax(dim=(-2, -1), keepdim=True).clamp(min=1e-12)  # per tensor (per expert)
         scale_2 = amax / (E2M1_MAX * E4M3_MAX)
