@@ -96,6 +96,7 @@ def test_rank_file_round_trip_and_errors(tmp_path):
         load_ids((3, 600), None, 512)
     with pytest.raises(WmtpError, match="ids repeat"):
         load_ids((3, 3), None, 512)
+    assert hash(SpecConfig(mode="windowed", draft_vocab=[4, 5])) == hash(SpecConfig(mode="windowed", draft_vocab=(4, 5)))
     with pytest.raises(WmtpError, match="mode 'dense' has no draft"):
         SpecConfig(mode="dense", num_draft_tokens=1, draft_vocab=(1, 2))
     with pytest.raises(WmtpError, match="beside a draft_vocab"):

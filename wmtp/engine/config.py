@@ -47,6 +47,8 @@ class SpecConfig:
             raise ConfigError(f"SpecConfig.sink={self.sink!r} must be an int >= 0")
         if self.window_min_context < 0:
             raise ConfigError(f"SpecConfig.window_min_context={self.window_min_context} must be >= 0")
+        if isinstance(self.draft_vocab, list):  # ids as a list: hashable like the rest of the config
+            object.__setattr__(self, "draft_vocab", tuple(self.draft_vocab))
         size = self.draft_vocab_size
         if size is not None and (not isinstance(size, int) or size < 1 or self.draft_vocab is None):
             raise ConfigError(f"SpecConfig.draft_vocab_size={self.draft_vocab_size!r} must be an int >= 1 beside a "
