@@ -84,10 +84,12 @@ def test_relu2_gemv_and_combine_match_the_reference(fmt, dtype):
     assert _close(down_combine(want_h, down, idx, top_w, top_k), want)
 
 
-@pytest.mark.parametrize("tokens", [1, 7])
-@pytest.mark.parametrize("fmt", [None, pytest.param(NVFP4(), id="nvfp4")])
-def test_relu2_moe_matches_the_twin(fmt, tokens):
-    """The whole op at decode sizes (22 experts a token of 64) against ``TorchBackend.relu2_moe``."""
+@pytest.mark.parametrize("tokens,fmt", [(1, None), (7, None), pytest.param(1, NVFP4(), id="1-nvfp4"),
+                                        pytest.param(7, NVFP4(), id="7-nvfp4"),
+                                        pytest.param(13, NVFP4(), id="13-nvfp4")])  # 286 pairs: still the GEMV
+def test_relu2_moe_matches_the_twin(fmt, tokens, monkeypatch):
+    """The whole op at decode sizes (22 experts a token of 64) against ``TorchBackend.relu2_moe``;
+    quantized experts beyond ``MAX_GEMV_PAIRS`` pairs stay on the GEMV (``QUANT_GEMV_TOKENS``)."""
     E, H, W, inter, top_k = 64, 96, 32, 48, 22
     dtype = torch.float32
     r = _routing(E, H, top_k, seed=7)
@@ -95,7 +97,12 @@ def test_relu2_moe_matches_the_twin(fmt, tokens):
     g = torch.Generator().manual_seed(10)
     x, latent = torch.randn(tokens, H, generator=g).to(DEVICE), torch.randn(tokens, W, generator=g).to(DEVICE)
     want = TorchBackend().relu2_moe(x, latent, r, up, down)
-    assert _close(TritonBackend().relu2_moe(x, latent, r, up, down), want)
+    import wmtp.kernels.moe as moe
+
+    calls = []
+    gemv = moe.relu2_moe_gemv
+    monkeypatch.setattr(moe, "relu2_moe_gemv", lambda *a: calls.append(1) or gemv(*a))
+    assert _close(TritonBackend().relu2_moe(x, latent, r, up, down), want) and calls == [1]
 
 
 def test_relu2_moe_with_router_groups_takes_the_reference_route():

@@ -44,6 +44,9 @@ except ImportError:  # pragma: no cover
 
 # Above this many (token, expert) pairs the grouped GEMM path (prefill, large batches) wins.
 MAX_GEMV_PAIRS = 256
+# quantized ungated (ReLU²) experts take the pair-wise GEMV up to this many tokens, whatever their
+# pairs: the grouped path dequantizes every expert first (Nemotron-3-Super: 11 GB a layer)
+QUANT_GEMV_TOKENS = 64
 
 
 if triton is not None:

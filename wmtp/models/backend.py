@@ -545,8 +545,10 @@ class TritonBackend(TorchBackend):
         """Whether ``moe`` over ``num_tokens`` avoids host syncs (CUDA-graph capture): the pair-wise
         GEMVs (float or quantized) and the grouped GEMM do; the reference's ``torch.unique`` (what
         quantized experts take above the GEMV sizes) does not."""
-        from wmtp.kernels.moe import MAX_GEMV_PAIRS
+        from wmtp.kernels.moe import MAX_GEMV_PAIRS, QUANT_GEMV_TOKENS
 
+        if quantized and cfg.family == "mamba_hybrid":  # relu2_moe's quantized GEMV sizes
+            return num_tokens <= QUANT_GEMV_TOKENS
         if quantized and cfg.num_experts > 0:
             return num_tokens * cfg.num_experts_per_tok <= MAX_GEMV_PAIRS
         return cfg.num_experts <= 0 or num_tokens * cfg.num_experts_per_tok <= MAX_GEMV_PAIRS or dtype == torch.bfloat16
@@ -570,13 +572,15 @@ class TritonBackend(TorchBackend):
         return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
 
     def relu2_moe(self, x, latent, routing, up, down):
-        from wmtp.kernels.moe import MAX_GEMV_PAIRS, grouped_experts, grouped_mm_supported, relu2_moe_gemv
+        from wmtp.kernels.moe import (MAX_GEMV_PAIRS, QUANT_GEMV_TOKENS, grouped_experts, grouped_mm_supported,
+                                      relu2_moe_gemv)
         from wmtp.kernels.torch_relu2_moe import sigmoid_route
 
-        pairs = x.shape[0] * routing.top_k
+        gemv = (x.shape[0] <= QUANT_GEMV_TOKENS if isinstance(up, QuantWeight)
+                else x.shape[0] * routing.top_k <= MAX_GEMV_PAIRS)
         if x.dtype == torch.float64:
             return super().relu2_moe(x, latent, routing, up, down)
-        if pairs <= MAX_GEMV_PAIRS and routing.n_group == 1:
+        if gemv and routing.n_group == 1:
             return relu2_moe_gemv(x, latent, routing, up, down)
         if grouped_mm_supported(latent):  # prefill, large batches: quantized experts dequantized once
             from wmtp.kernels.quant_tiles import dequantize
