@@ -153,6 +153,25 @@ register("draft-vocab", "rank tokens by frequency for a pruned draft vocabulary 
          _draft_vocab_args, draft_vocab)
 
 
+def _spec_args(p: argparse.ArgumentParser) -> None:
+    """The speculation options of ``generate`` and ``serve`` (``SpecConfig``'s fields)."""
+    p.add_argument("--mode", choices=["dense", "native", "windowed"], default="windowed")
+    p.add_argument("--num-draft-tokens", "-d", type=int, default=4, help="d = γ + 1 verify tokens")
+    p.add_argument("--window", type=int, default=4032)
+    p.add_argument("--sink", type=int, default=64)
+    p.add_argument("--no-ring", action="store_true", help="keep the full-length draft pool in windowed mode")
+    p.add_argument("--draft-vocab", default=None, help="rank file (wmtp draft-vocab): draft over its tokens only")
+    p.add_argument("--draft-vocab-size", type=int, default=None, help="the rank file's first K tokens")
+
+
+def _spec(a: argparse.Namespace):
+    from wmtp.engine.config import SpecConfig
+
+    return SpecConfig(mode=a.mode, num_draft_tokens=a.num_draft_tokens if a.mode != "dense" else 1,
+                      window=a.window, sink=a.sink, ring=not a.no_ring, draft_vocab=a.draft_vocab,
+                      draft_vocab_size=a.draft_vocab_size)
+
+
 def _generate_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory")
@@ -160,11 +179,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     text = p.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="prompt text (or space-separated token ids without a tokenizer)")
     text.add_argument("--prompt-file", help="file holding the prompt")
-    p.add_argument("--mode", choices=["dense", "native", "windowed"], default="windowed")
-    p.add_argument("--num-draft-tokens", "-d", type=int, default=4, help="d = γ + 1 verify tokens")
-    p.add_argument("--window", type=int, default=4032)
-    p.add_argument("--sink", type=int, default=64)
-    p.add_argument("--no-ring", action="store_true", help="keep the full-length draft pool in windowed mode")
+    _spec_args(p)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -183,7 +198,7 @@ def generate(a: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from wmtp.engine.config import EngineConfig, SpecConfig
+    from wmtp.engine.config import EngineConfig
     from wmtp.engine.engine import Engine
     from wmtp.engine.sampling import SamplingParams
     import wmtp
@@ -202,8 +217,7 @@ def generate(a: argparse.Namespace) -> int:
             ids = [int(x) for x in prompt.split()]
         except ValueError:
             raise WmtpError("this checkpoint has no tokenizer.json: give --prompt as space-separated token ids") from None
-    spec = SpecConfig(mode=a.mode, num_draft_tokens=a.num_draft_tokens if a.mode != "dense" else 1,
-                      window=a.window, sink=a.sink, ring=not a.no_ring)
+    spec = _spec(a)
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, max_tokens=a.max_tokens,
                             seed=a.seed, ignore_eos=a.ignore_eos)
     eng = Engine(model, spec, EngineConfig(max_model_len=a.max_model_len or len(ids) + a.max_tokens,
@@ -253,11 +267,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help="checkpoint directory")
     src.add_argument("--preset", help="preset name (random weights, the built-in small tokenizer)")
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: directory name)")
-    p.add_argument("--mode", choices=["dense", "native", "windowed"], default="windowed")
-    p.add_argument("--num-draft-tokens", "-d", type=int, default=4, help="d = γ + 1 verify tokens")
-    p.add_argument("--window", type=int, default=4032)
-    p.add_argument("--sink", type=int, default=64)
-    p.add_argument("--no-ring", action="store_true", help="keep the full-length draft pool in windowed mode")
+    _spec_args(p)
     p.add_argument("--max-model-len", type=int, default=4096, help="prompt + max_tokens limit per request")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests running at once")
     p.add_argument("--page-size", type=int, default=64,
@@ -286,13 +296,11 @@ def serve(a: argparse.Namespace) -> int:
         from wmtp.server.chat import find_chat_template
     except ImportError as e:
         raise WmtpError(f"wmtp serve needs the serve extra (pip install 'wmtp[serve]'): {e}") from None
-    from wmtp.engine.config import SpecConfig
     from wmtp.engine.llm import LLM
 
     if a.max_pending_requests < 1:
         raise WmtpError(f"--max-pending-requests={a.max_pending_requests} must be >= 1")
-    spec = SpecConfig(mode=a.mode, num_draft_tokens=a.num_draft_tokens if a.mode != "dense" else 1,
-                      window=a.window, sink=a.sink, ring=not a.no_ring)
+    spec = _spec(a)
     kv_bytes = int(a.kv_memory_gb * 2**30) if a.kv_memory_gb is not None else None
     llm = LLM(a.model or a.preset, spec=spec, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
               max_num_seqs=a.max_num_seqs, page_size=a.page_size, num_kv_pages=a.num_kv_pages,
