@@ -32,6 +32,7 @@ is a ``CheckpointError`` naming the file, field or tensor: never a silent fallba
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import math
 from abc import ABC, abstractmethod
@@ -392,19 +393,16 @@ class QuantConfig:
         if self.format is not None:
             hit = any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(module, p + ".*") for p in self.exclude)
             return None if hit else self.format
-        exact, patterns = self._layer_index()
+        exact, patterns = self._layer_index
         if module in exact:
             return exact[module]
         return next((f for p, f in patterns if fnmatch.fnmatchcase(module, p)), None)
 
+    @functools.cached_property
     def _layer_index(self) -> tuple[dict[str, QuantFormat], list[tuple[str, QuantFormat]]]:
         # a release names every module (tens of thousands, experts one by one): exact names by lookup
-        index = self.__dict__.get("_index")
-        if index is None:
-            exact = {p: f for p, f in self.layers if not any(c in p for c in "*?[")}
-            index = (exact, [(p, f) for p, f in self.layers if p not in exact])
-            object.__setattr__(self, "_index", index)
-        return index
+        exact = {p: f for p, f in self.layers if not any(c in p for c in "*?[")}
+        return exact, [(p, f) for p, f in self.layers if p not in exact]
 
     @classmethod
     def from_checkpoint(cls, ckpt: str | Path) -> "QuantConfig | None":

@@ -357,6 +357,17 @@ def _targets(model: TargetLM, ckpt_names: list[str]) -> dict[str, _Target]:
     return out
 
 
+def packed_expert_parts(model: torch.nn.Module) -> dict[str, list]:
+    """Our name of every packed expert parameter (``...experts.gate_up_proj``) -> the checkpoint
+    projections it holds (``Experts.parts``)."""
+    out: dict[str, list] = defaultdict(list)
+    for name, m in model.named_modules():
+        if isinstance(m, Experts):
+            for part in m.parts:
+                out[f"{name}.{part.param}"].append(part)
+    return dict(out)
+
+
 def _missing_tensors(model: TargetLM, whole: set[str], pieces: dict[str, set]) -> list[str]:
     """Checkpoint names of everything not loaded; per-expert and per-projection gaps are named one
     by one."""
@@ -364,8 +375,7 @@ def _missing_tensors(model: TargetLM, whole: set[str], pieces: dict[str, set]) -
     by_packed: dict[str, list[tuple[str, str]]] = defaultdict(list)  # packed key -> [(part, our part name)]
     for ours, (packed, part, _rows) in packed_linear_parts(model).items():
         by_packed[packed].append((part, ours))
-    expert_kinds = {f"{n}.{param}": [p.kind for p in m.parts if p.param == param]
-                    for n, m in model.named_modules() if isinstance(m, Experts) for param in {p.param for p in m.parts}}
+    expert_kinds = {key: [p.kind for p in parts] for key, parts in packed_expert_parts(model).items()}
     missing = []
     for key, p in model.named_parameters():
         if key in whole or (key == "lm_head.weight" and cfg.tie_word_embeddings):
@@ -466,8 +476,7 @@ def checkpoint_state(model: TargetLM, expert_layout: str = "per_expert") -> dict
     if model.quant is not None and expert_layout != "per_expert":
         raise ValueError("quantized experts are written per expert (as ModelOpt exports them)")
     out: dict[str, torch.Tensor] = dict(_quant_state(model))
-    expert_parts = {f"{n}.{p.param}": [q for q in m.parts if q.param == p.param]
-                    for n, m in model.named_modules() if isinstance(m, Experts) for p in m.parts}
+    expert_parts = packed_expert_parts(model)
     for ours, p in unpacked_state_dict(model, skip=_quant_params(model)).items():
         name = _to_checkpoint_name(cfg, ours)
         if expert_layout == "per_expert" and ours in expert_parts:
