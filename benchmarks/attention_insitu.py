@@ -59,7 +59,7 @@ def main() -> None:
     force_acceptance(eng, min(3, spec.gamma))
     for _ in range(3):
         eng.step()
-    meta = eng.graphs[1].ver_ctx.backend_cache["attention_meta"]
+    meta = eng.graphs[1, eng.spec.gamma].ver_ctx.backend_cache["attention_meta"]
     layers = model.attention_layers()
     cfg = model.config
     q = torch.randn(a.d, cfg.num_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
@@ -78,7 +78,7 @@ def main() -> None:
 
         metas = {"verify": (meta, a.d)}
         if spec.gamma > 1:
-            metas["chain"] = (eng.graphs[1].chain_ctx[0].backend_cache["attention_meta"], 1)
+            metas["chain"] = (eng.graphs[1, eng.spec.gamma].chain_ctx[0].backend_cache["attention_meta"], 1)
         for name, (m, n) in metas.items():
             cache = layers[0] if name == "verify" else model.mtp_attention_layers()[0]
             qn = q[:n]

@@ -51,9 +51,9 @@ def _exact_joint(model, params: SamplingParams) -> np.ndarray:
 
 
 @torch.no_grad()
-def _engine_draws(model, spec: SpecConfig, params: SamplingParams) -> tuple[np.ndarray, list[int]]:
-    """Counts of the first three emitted tokens over N_DRAWS seeded requests, and the engine-wide
-    accepted-draft histogram (every acceptance count must be exercised)."""
+def _engine_draws(model, spec: SpecConfig, params: SamplingParams) -> tuple[np.ndarray, list[int], set[int]]:
+    """Counts of the first three emitted tokens over N_DRAWS seeded requests, the engine-wide
+    accepted-draft histogram (every acceptance count must be exercised) and the depths used."""
     torch.set_num_threads(1)
     eng = Engine(model, spec, EngineConfig(max_model_len=32, max_num_seqs=BATCH, page_size=8,
                                            prefill_chunk=BATCH * len(PROMPT)))
@@ -65,7 +65,7 @@ def _engine_draws(model, spec: SpecConfig, params: SamplingParams) -> tuple[np.n
     assert all(v == 0 for v in eng.memory.usage().values())
     out = np.array([r.tokens[len(PROMPT) : len(PROMPT) + 3] for r in eng.requests.values()])
     hist = np.sum([r.metrics.hist for r in eng.requests.values()], axis=0).tolist()
-    return np.bincount((out[:, 0] * V + out[:, 1]) * V + out[:, 2], minlength=V**3), hist
+    return np.bincount((out[:, 0] * V + out[:, 1]) * V + out[:, 2], minlength=V**3), hist, set(eng.metrics.gammas)
 
 
 CASES = [
@@ -83,10 +83,23 @@ CASES = [
 @pytest.mark.parametrize("preset,spec,params", CASES)
 def test_engine_speculative_sampling_is_exact(preset: str, spec: SpecConfig, params: SamplingParams) -> None:
     model = _model(preset, seed=3)
-    counts, hist = _engine_draws(model, spec, params)
+    counts, hist, _ = _engine_draws(model, spec, params)
     pvalue = chi2_pvalue(counts, _exact_joint(model, params))
     print(f"{preset} {spec.mode} {params}: chi2 p = {pvalue:.4g}, accepted-draft histogram = {hist}")
     assert min(hist) > 0.05 * sum(hist), f"some acceptance path is barely exercised: {hist}"
+    assert pvalue > 0.01
+
+
+def test_adaptive_depth_sampling_is_exact() -> None:
+    """The depth chosen per iteration from the acceptance seen so far (DESIGN §5) must not bias the
+    output: the choice depends on earlier iterations only, never on this iteration's draws."""
+    model = _model("tiny-llama", seed=3)
+    spec = SpecConfig(mode="windowed", num_draft_tokens="auto", max_draft_tokens=3, sink=2, window=4)
+    params = SamplingParams(temperature=1.0)
+    counts, hist, gammas = _engine_draws(model, spec, params)
+    pvalue = chi2_pvalue(counts, _exact_joint(model, params))
+    print(f"adaptive depth: chi2 p = {pvalue:.4g}, depths used = {sorted(gammas)}, histogram = {hist}")
+    assert len(gammas) > 1, f"the controller never changed depth: {gammas}"
     assert pvalue > 0.01
 
 
@@ -95,7 +108,7 @@ def test_engine_harness_detects_broken_acceptance(monkeypatch: pytest.MonkeyPatc
     preset, spec, params = CASES[0].values
     monkeypatch.setattr(engine_mod, "accept_speculative", broken_accept_resample_p)
     model = _model(preset, seed=3)
-    counts, _ = _engine_draws(model, spec, params)
+    counts, _, _ = _engine_draws(model, spec, params)
     pvalue = chi2_pvalue(counts, _exact_joint(model, params))
     print(f"broken rule through the engine: chi2 p = {pvalue:.4g}")
     assert pvalue < 1e-4

@@ -156,7 +156,9 @@ register("draft-vocab", "rank tokens by frequency for a pruned draft vocabulary 
 def _spec_args(p: argparse.ArgumentParser) -> None:
     """The speculation options of ``generate`` and ``serve`` (``SpecConfig``'s fields)."""
     p.add_argument("--mode", choices=["dense", "native", "windowed"], default="windowed")
-    p.add_argument("--num-draft-tokens", "-d", type=int, default=4, help="d = γ + 1 verify tokens")
+    p.add_argument("--num-draft-tokens", "-d", type=_depth, default=4,
+                   help="d = γ + 1 verify tokens, or 'auto': each iteration's depth chosen up to --max-draft-tokens")
+    p.add_argument("--max-draft-tokens", type=int, default=None, help="d_max of --num-draft-tokens auto (default 8)")
     p.add_argument("--window", type=int, default=4032)
     p.add_argument("--sink", type=int, default=64)
     p.add_argument("--no-ring", action="store_true", help="keep the full-length draft pool in windowed mode")
@@ -164,11 +166,21 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=None, help="the rank file's first K tokens")
 
 
+def _depth(text: str) -> int | str:
+    """``--num-draft-tokens``: an int or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: an int >= 1, or 'auto'") from None
+
+
 def _spec(a: argparse.Namespace):
     from wmtp.engine.config import SpecConfig
 
     return SpecConfig(mode=a.mode, num_draft_tokens=a.num_draft_tokens if a.mode != "dense" else 1,
-                      window=a.window, sink=a.sink, ring=not a.no_ring, draft_vocab=a.draft_vocab,
+                      max_draft_tokens=a.max_draft_tokens, window=a.window, sink=a.sink, ring=not a.no_ring, draft_vocab=a.draft_vocab,
                       draft_vocab_size=a.draft_vocab_size)
 
 
@@ -255,7 +267,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 def bench(a: argparse.Namespace) -> int:
     from wmtp.bench import step, sweeps
 
-    return step.run(a) if a.bench in ("step", "ttft") else sweeps.run(a)
+    return step.run(a) if a.bench in ("step", "ttft", "depth-replay") else sweeps.run(a)
 
 
 register("bench", "benchmarks: decode-step cost per mode, TTFT, and the sweeps (synthetic context, forced "
@@ -310,7 +322,7 @@ def serve(a: argparse.Namespace) -> int:
     app = create_app(llm.engine, llm.tokenizer, name, chat_template=template,
                      eos_token_ids=checkpoint_eos_ids(a.model, llm.tokenizer), max_pending=a.max_pending_requests)
     mem = llm.memory_report()
-    print(f"serving {name!r} ({a.mode}, d={spec.num_draft_tokens}) on http://{a.host}:{a.port}/v1 | "
+    print(f"serving {name!r} ({a.mode}, d={'auto<=' if spec.adaptive else ''}{spec.num_draft_tokens}) on http://{a.host}:{a.port}/v1 | "
           f"target KV {mem['target_kv'] / 2**20:.1f} MiB, draft {'ring' if spec.uses_ring else 'pool'} "
           f"{(mem['draft_ring'] + mem['draft_pool']) / 2**20:.2f} MiB", flush=True)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)

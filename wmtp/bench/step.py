@@ -334,8 +334,21 @@ def run_ttft(a: argparse.Namespace) -> int:
     return 0
 
 
+def add_engine_args(s: argparse.ArgumentParser) -> None:
+    """The options every synthetic-context benchmark shares: window, pages, device, kernels, output."""
+    s.add_argument("--window", type=int, default=4032)
+    s.add_argument("--sink", type=int, default=64)
+    s.add_argument("--page-size", type=int, default=64)
+    s.add_argument("--device", default="auto", help="cuda | cpu | auto (cuda when there is one)")
+    s.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, the preset's own on CPU")
+    s.add_argument("--backend", default="auto", help="torch | triton | auto (triton on CUDA)")
+    s.add_argument("--decode-graphs", default="auto", choices=["auto", "off"],
+                   help="CUDA graphs for greedy decode iterations (auto: on with the triton backend)")
+    s.add_argument("--out", required=True, help="JSON results file")
+
+
 def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
-    """``step`` and ``ttft``; returns the sub-parsers so the sweeps can add theirs."""
+    """``step``, ``ttft`` and ``depth-replay``; returns the sub-parsers so the sweeps can add theirs."""
     sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name, help in (("step", "T_iter per mode at S tokens (synthetic context, forced acceptance)"),
                        ("ttft", "TTFT of a real chunked prefill, per mode")):
@@ -344,15 +357,7 @@ def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
         s.add_argument("--modes", default="dense,native,windowed",
                        help="comma-separated; mode:V<K> drafts over a pruned vocabulary of K tokens (cost only)")
         s.add_argument("-d", type=int, default=7, help="num_draft_tokens")
-        s.add_argument("--window", type=int, default=4032)
-        s.add_argument("--sink", type=int, default=64)
-        s.add_argument("--page-size", type=int, default=64)
-        s.add_argument("--device", default="auto", help="cuda | cpu | auto (cuda when there is one)")
-        s.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, the preset's own on CPU")
-        s.add_argument("--backend", default="auto", help="torch | triton | auto (triton on CUDA)")
-        s.add_argument("--decode-graphs", default="auto", choices=["auto", "off"],
-                       help="CUDA graphs for greedy decode iterations (auto: on with the triton backend)")
-        s.add_argument("--out", required=True, help="JSON results file")
+        add_engine_args(s)
         if name == "step":
             s.add_argument("--context", type=int, default=1_040_000, help="S, synthetic")
             s.add_argument("--iters", type=int, default=60)
@@ -369,6 +374,9 @@ def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
         else:
             s.add_argument("--tokens", type=int, default=131_072)
             s.add_argument("--chunk", type=int, default=8192)
+    from wmtp.bench.depth import add_args as add_depth_args
+
+    add_depth_args(sub)
     return sub
 
 
@@ -382,10 +390,14 @@ def run(a: argparse.Namespace) -> int:
     if on_gpu and not torch.cuda.is_available():
         raise WmtpError(f"--device={a.device}: no CUDA device here (use --device cpu with a tiny preset)")
     # what times GPU kernels or queries GPU memory
-    needs_gpu = ["ttft"] if a.bench == "ttft" else [o for o in ("kernels", "admission") if getattr(a, o)]
+    needs_gpu = ["ttft"] if a.bench == "ttft" else [o for o in ("kernels", "admission") if getattr(a, o, False)]
     if needs_gpu and not on_gpu:
         raise WmtpError(f"wmtp bench {a.bench}: {', '.join(needs_gpu)} needs a CUDA device (--device={a.device})")
     a.backend = default_backend(a.device) if a.backend == "auto" else a.backend
     if a.dtype is None and on_gpu:
         a.dtype = "bfloat16"
+    if a.bench == "depth-replay":
+        from wmtp.bench.depth import run_depth_replay
+
+        return run_depth_replay(a)
     return run_step(a) if a.bench == "step" else run_ttft(a)

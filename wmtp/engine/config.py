@@ -10,6 +10,7 @@ from wmtp.engine.window import DraftWindow
 from wmtp.errors import ConfigError
 
 MODES = ("dense", "native", "windowed")
+DEFAULT_MAX_DRAFT_TOKENS = 8  # "auto" depth's d_max when not given: the depth sweeps' range (d = 2..8)
 
 
 @dataclass(frozen=True)
@@ -20,10 +21,16 @@ class SpecConfig:
     (shorter contexts read all keys, which needs the full-length pool: ``ring=False``).
     ``draft_vocab``: the draft proposes tokens of this sub-vocabulary only (a ``wmtp draft-vocab``
     rank file, or token ids), its first ``draft_vocab_size`` when given (``engine.draft_vocab``).
+    ``num_draft_tokens="auto"``: each iteration drafts γ ∈ [0, d_max − 1] tokens, the depth that
+    maximises expected tokens per second (``engine.depth``); d_max = ``max_draft_tokens``. It is held
+    as ``num_draft_tokens = d_max, adaptive = True``: every pool, ring and buffer is sized for d_max,
+    and ``gamma`` / ``verify_tokens`` are the largest an iteration may use.
     """
 
     mode: str = "windowed"
-    num_draft_tokens: int = 4
+    num_draft_tokens: int | str = 4
+    max_draft_tokens: int | None = None
+    adaptive: bool = False
     window: int = 4032
     sink: int = 64
     ring: bool = True
@@ -34,11 +41,13 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"SpecConfig.mode={self.mode!r}; supported: {list(MODES)}")
+        self._resolve_depth()
+        name = "max_draft_tokens (d_max)" if self.adaptive else "num_draft_tokens (d)"
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
-            raise ConfigError(f"SpecConfig.num_draft_tokens (d)={self.num_draft_tokens!r} must be an int >= 1")
+            raise ConfigError(f"SpecConfig.{name}={self.num_draft_tokens!r} must be an int >= 1")
         if self.mode != "dense" and self.num_draft_tokens < 2:
             raise ConfigError(
-                f"SpecConfig.num_draft_tokens (d)={self.num_draft_tokens} must be >= 2 in mode {self.mode!r} "
+                f"SpecConfig.{name}={self.num_draft_tokens} must be >= 2 in mode {self.mode!r} "
                 "(d = 1 means no draft: use mode='dense')"
             )
         if not isinstance(self.window, int) or self.window < 1:
@@ -60,6 +69,20 @@ class SpecConfig:
                 "SpecConfig.window_min_context > 0 needs ring=False: below that context the draft reads "
                 f"every key, which the ring of sink+W+d={self.ring_size} slots does not keep"
             )
+
+    def _resolve_depth(self) -> None:
+        """``num_draft_tokens="auto"`` → ``adaptive`` with d = ``max_draft_tokens`` (or the default)."""
+        d, d_max = self.num_draft_tokens, self.max_draft_tokens
+        if d == "auto":
+            object.__setattr__(self, "adaptive", True)
+            object.__setattr__(self, "num_draft_tokens", DEFAULT_MAX_DRAFT_TOKENS if d_max is None else d_max)
+        elif isinstance(d, str):
+            raise ConfigError(f"SpecConfig.num_draft_tokens={d!r}: an int >= 1, or 'auto'")
+        elif d_max is not None and not (self.adaptive and d_max == d):
+            raise ConfigError(f"SpecConfig.max_draft_tokens={d_max!r} is the bound of num_draft_tokens='auto'; "
+                              f"with a fixed num_draft_tokens={d!r} leave it unset")
+        if self.adaptive and self.mode == "dense":
+            raise ConfigError("SpecConfig.num_draft_tokens='auto': mode 'dense' has no draft")
 
     @property
     def speculative(self) -> bool:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from wmtp.engine.config import EngineConfig, SpecConfig
+from wmtp.engine.depth import DepthController
 from wmtp.engine.graphs import BatchRow, DecodeGraphs
 from wmtp.engine.memory import Allocation, MemoryManager
 from wmtp.engine.metrics import EngineMetrics, RequestMetrics
@@ -92,10 +93,12 @@ class Engine:
         self._ids = itertools.count()
         self.stop_ids = set(model.config.eos_token_ids)
         self.metrics = EngineMetrics(spec.gamma)
-        # Benchmark-only (DESIGN §6): accept exactly this many drafts per iteration, whatever the
-        # tokens. Never set by the generation API.
+        # Benchmark-only (DESIGN §6): accept exactly this many drafts per iteration (at most γ),
+        # whatever the tokens. Never set by the generation API.
         self.forced_accept: int | None = None
-        self.graphs: dict[int, DecodeGraphs] = {}  # decode graphs per batch size, built on first use
+        self.depth = DepthController(spec.gamma) if spec.adaptive else None  # num_draft_tokens="auto"
+        # decode graphs per (batch size, γ), built on first use
+        self.graphs: dict[tuple[int, int], DecodeGraphs] = {}
         self._graph_mode = self._resolve_graph_mode()
         self._graph_pool = torch.cuda.graph_pool_handle() if self._graph_mode == "capture" else None
         self.phase_timer = None  # benchmark-only PhaseTimer (wmtp/engine/phases.py); None costs nothing
@@ -291,8 +294,24 @@ class Engine:
                 self.model.mtp_forward(ids, hid, ctx)
 
     # ---- one speculative iteration for a batch -------------------------------------------------
+    def _choose_gamma(self, reqs: list[Request]) -> int:
+        """This iteration's depth: the spec's, or the adaptive controller's choice (``engine.depth``)."""
+        if self.depth is None:
+            return self.spec.gamma
+        return self.depth.choose([r.metrics.positions for r in reqs], self.metrics.positions)
+
     def _iteration(self, reqs: list[Request]) -> None:
-        graphs = self._decode_graphs(reqs)
+        while True:
+            gamma = self._choose_gamma(reqs)
+            graphs = self._decode_graphs(reqs, gamma)
+            if self._inflight is None or (graphs is not None and self._inflight.graphs is graphs):
+                break
+            # another graph set (a new depth) or the eager path: collect the iteration in flight
+            # first; it may finish requests of this batch, and the depth is chosen again after it
+            self._drain()
+            reqs = [r for r in reqs if r.status == Status.DECODE]
+            if not reqs:
+                return
         if graphs is not None:
             return self._iteration_static(reqs, graphs)
         self._drain()
@@ -300,7 +319,7 @@ class Engine:
         t0 = time.perf_counter()
         if (pt := self.phase_timer) is not None:
             pt.start()
-        gamma, d = self.spec.gamma, self.spec.verify_tokens
+        d = gamma + 1
         lens = [len(r.tokens) for r in reqs]
         drafts = [[r.draft_token] for r in reqs] if gamma else [[] for _ in reqs]
         qs = [[r.draft_q] for r in reqs]
@@ -331,7 +350,7 @@ class Engine:
             self._rollback(reqs, [a for a, _ in results], ctx)
         extend = []
         for b, (r, (a, bonus)) in enumerate(zip(reqs, results)):
-            if self._emit(r, drafts[b][:a] + [bonus]) and gamma:
+            if self._emit(r, drafts[b][:a] + [bonus]) and self.spec.speculative:
                 extend.append((r, lens[b], drafts[b][:a] + [bonus], hidden[b, : a + 1]))
         if pt is not None:
             pt.mark("verify_ovh")
@@ -339,21 +358,24 @@ class Engine:
             self._extend(extend)
         if pt is not None:
             pt.mark("draft_ctx")
-        self._record_iteration(reqs, [a for a, _ in results], t0)
+        self._record_iteration(reqs, [a for a, _ in results], t0, gamma)
 
-    def _record_iteration(self, reqs: list[Request], accepted: list[int], t0: float) -> None:
+    def _record_iteration(self, reqs: list[Request], accepted: list[int], t0: float, gamma: int) -> None:
         """T_iter from the start of the draft phase to the end of the draft-extend (DESIGN §6; the
         extend's d_1 read syncs, so the GPU work is done), per request and engine-wide. Overlapped
         iterations pass the later of their launch and the previous collection: the steady-state
         interval between iterations."""
         seconds = time.perf_counter() - t0
-        self.metrics.record_iteration(accepted, seconds)
+        self.metrics.record_iteration(accepted, seconds, gamma)
         for r, a in zip(reqs, accepted):
-            r.metrics.record_iteration(a, seconds)
+            r.metrics.record_iteration(a, seconds, gamma)
+        if self.depth is not None:
+            self.depth.record(len(reqs), gamma, seconds)
 
     def _accept(self, req: Request, drafts: list[int], qs: list, logits: torch.Tensor) -> tuple[int, int]:
         if self.forced_accept is not None:
-            return self.forced_accept, int(torch.argmax(logits[self.forced_accept]))
+            k = min(self.forced_accept, len(drafts))
+            return k, int(torch.argmax(logits[k]))
         if req.params.greedy:
             target = torch.argmax(logits, dim=-1)
             return accept_greedy(torch.tensor(drafts, dtype=torch.long, device=logits.device), target)
@@ -409,8 +431,8 @@ class Engine:
         finally:
             self._graph_mode = saved
 
-    def _decode_graphs(self, reqs: list[Request]) -> DecodeGraphs | None:
-        """The graph set for this batch, or None where the eager iteration must run: sampling
+    def _decode_graphs(self, reqs: list[Request], gamma: int) -> DecodeGraphs | None:
+        """The graph set for this batch and depth, or None where the eager iteration must run: sampling
         requests (their draws use per-request generators on the host), hooks a test replaced, or
         a MoE verify too large for a capturable expert path."""
         if self._graph_mode == "off" or any(not r.params.greedy for r in reqs):
@@ -419,15 +441,15 @@ class Engine:
         if any(h in vars(self) or getattr(type(self), h) is not getattr(Engine, h) for h in hooks):
             return None
         B, cfg = len(reqs), self.model.config
-        capturable = self.model.backend.capturable_moe(B * self.spec.verify_tokens, cfg, self.dtype,
+        capturable = self.model.backend.capturable_moe(B * (gamma + 1), cfg, self.dtype,
                                                        quantized=self.model.quant is not None)
         if self._graph_mode == "capture" and not capturable:
             return None
-        if B not in self.graphs:
-            self.graphs[B] = DecodeGraphs(self.model, self.spec, self.eng, self.memory, B,
-                                          capture=self._graph_mode == "capture", pool=self._graph_pool,
-                                          draft_head=self.draft_head)
-        return self.graphs[B]
+        if (B, gamma) not in self.graphs:
+            self.graphs[B, gamma] = DecodeGraphs(self.model, self.spec, self.eng, self.memory, B,
+                                                 capture=self._graph_mode == "capture", pool=self._graph_pool,
+                                                 draft_head=self.draft_head, gamma=gamma)
+        return self.graphs[B, gamma]
 
     def _iteration_static(self, reqs: list[Request], graphs: DecodeGraphs) -> None:
         """``_iteration`` for greedy batches, from static buffers: the rows uploaded once per batch,
@@ -445,13 +467,14 @@ class Engine:
         if pt is not None:
             pt.start()
         self._forget_rows(keep=graphs)
-        if graphs.loaded != graphs.key([r.id for r in reqs], self.forced_accept):  # rows built only on a change
-            graphs.load(self._batch_rows(reqs), self.forced_accept)
+        if graphs.loaded != [r.id for r in reqs]:  # rows built only on a change
+            graphs.load(self._batch_rows(reqs))
+        graphs.set_forced(self.forced_accept)
         if pt is None:
-            graphs.run("iteration" if self.spec.gamma else "verify")
+            graphs.run("iteration" if graphs.drafting else "verify")
         else:  # the forwards replayed apart, each phase timed
             phases = (("chain", "draft_fwd"), ("verify", "verify_base"), ("accept", "verify_ovh"), ("extend", "draft_ctx"))
-            for name, phase in phases if self.spec.gamma else phases[1:2]:
+            for name, phase in phases if graphs.drafting else phases[1:2]:
                 graphs.run(name)
                 pt.mark(phase)
         launched = _InFlight(graphs, reqs, graphs.fetch(), t0)
@@ -501,14 +524,14 @@ class Engine:
                 if len(r.tokens) != lengths[b]:
                     raise RuntimeError(f"decode graphs: request {r.id} holds {len(r.tokens)} tokens on the host but "
                                        f"{lengths[b]} on the device")
-                if self.spec.gamma:
+                if self.spec.speculative:
                     r.draft_token, r.draft_q, r.draft_hidden = d1[b], None, it.graphs.next_hidden[b : b + 1]
             live.append(r)
             acc.append(a)
         self._emitted += live
         start, self._last_collect = max(it.t0, self._last_collect), time.perf_counter()
         if live:
-            self._record_iteration(live, acc, start)
+            self._record_iteration(live, acc, start, it.graphs.gamma)
 
     # ---- draft helpers -------------------------------------------------------------------------
     def _set_draft(self, req: Request, mtp_out: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""CUDA graphs for the decode iteration (DESIGN §2), one set per batch size.
+"""CUDA graphs for the decode iteration (DESIGN §2), one set per batch size and draft depth γ.
 
 Each set holds four forwards over fixed shapes, replayed in order every iteration with no host
 round trip between them (and, captured once more as one ``iteration`` graph, replayed as one
@@ -18,7 +18,9 @@ unless the phases are being timed):
   and are never read), which gives the next d_1 and MTP output; then L += a + 1 and x_{L−1} =
   bonus on the device (``_advance``).
 
-Dense mode (γ = 0) has only ``verify``, with d = 1, staging and advancing itself.
+Dense mode has only ``verify``, with d = 1, staging and advancing itself. A speculative set of
+γ = 0 (adaptive depth's plain decode step) verifies x_{L−1} alone and keeps the chain (staging
+only), accept (a = 0) and extend (one slot), so the draft stays caught up.
 
 Invariants: the host uploads a batch's rows (block tables, L, x_{L−1}, state slots, draft state)
 once, when the batch changes (``load``); from then on every per-iteration input is derived on the
@@ -96,8 +98,15 @@ class _Staging:
         self.values[o : o + len(flat)] = flat
 
     def upload(self) -> None:
-        host = torch.tensor(self.values, dtype=torch.int64)
-        self.dev.copy_(host.pin_memory() if self.pin else host, non_blocking=True)
+        self._copy(self.dev, self.values)
+
+    def upload_field(self, name: str) -> None:
+        o = self.offsets[name]
+        self._copy(self.view(name).view(-1), self.values[o : o + math.prod(self.shapes[name])])
+
+    def _copy(self, dst: torch.Tensor, values: list[int]) -> None:
+        host = torch.tensor(values, dtype=torch.int64)
+        dst.copy_(host.pin_memory() if self.pin else host, non_blocking=True)
 
 
 class _StepCompiler:
@@ -145,11 +154,14 @@ class DecodeGraphs:
     chain / verify / accept / extend, ``fetch``, then ``results`` (possibly after launching the next)."""
 
     def __init__(self, model: TargetLM, spec: SpecConfig, cfg: EngineConfig, memory: MemoryManager, batch: int,
-                 capture: bool, pool=None, draft_head: DraftHead | None = None) -> None:
+                 capture: bool, pool=None, draft_head: DraftHead | None = None, gamma: int | None = None) -> None:
         start = time.perf_counter()
         self.model, self.spec, self.cfg, self.memory, self.B = model, spec, cfg, memory, batch
         self.draft_head = draft_head
-        self.gamma, self.d = spec.gamma, spec.verify_tokens
+        # γ: this set's depth (``spec.gamma`` unless adaptive); the pools and the ring are sized for spec's
+        self.drafting = spec.speculative
+        self.gamma = spec.gamma if gamma is None else gamma
+        self.d = self.gamma + 1
         weight = model.embed_weight
         self.device, dtype = weight.device, weight.dtype
         dev, B, d, g = self.device, batch, self.d, max(self.gamma - 1, 0)
@@ -190,12 +202,12 @@ class DecodeGraphs:
         self.out_host = [torch.zeros(self.out.shape, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self.out_ready = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._next_buf = 0
-        self.loaded: tuple | None = None  # (request ids in row order, forced) of the rows on the device
+        self.loaded: list[int] | None = None  # the request ids, in row order, of the rows on the device
         self._build_contexts()
         # the bookkeeping between the forwards (staging, acceptance, the extend's inputs, the advance) is
         # pure torch: eagerly about 80 tiny kernels an iteration (~1.5 us each in a graph, 0.13 ms at B = 1)
         steps = {"stage": self._stage, "advance": self._advance}  # dense; speculative: advance in extend_outputs
-        if self.gamma:
+        if self.drafting:
             steps = {"stage": self._stage, "accept_counts": self._accept_counts, "extend_inputs": self._extend_inputs,
                      "extend_outputs": self._extend_outputs}
         compiler = _StepCompiler() if compile_steps(dev, capture) else None
@@ -203,7 +215,7 @@ class DecodeGraphs:
             setattr(self, f"run_{name}", compiler(name, fn) if compiler else fn)
         self.graphs: dict[str, Callable[[], None]] = {}
         fns = {"verify": self._verify}
-        if self.gamma:  # and all four as one replay: each graph launch adds a ~5 us gap on the GPU
+        if self.drafting:  # and all four as one replay: each graph launch adds a ~5 us gap on the GPU
             fns.update(chain=self._chain, accept=self._accept, extend=self._extend, iteration=self._iteration)
         for name, fn in fns.items():
             self.graphs[name] = self._capture(fn, pool) if capture else self._warm(fn)
@@ -258,7 +270,7 @@ class DecodeGraphs:
                                  target=True, record=self.gamma > 0)
         self.ver_ctx.rope = self._rope_rows(0, self.B * self.d)
         self.ver_ids = torch.zeros(self.B, self.d, dtype=torch.int64, device=self.device)
-        if not self.gamma:
+        if not self.drafting:
             return
         self.chain_ctx = [self._ctx(1, a.view("chain_pos")[i], a.view("chain_slot")[i],
                                     self._lens(a.view("chain_pos")[i], 1), target=False)
@@ -311,7 +323,7 @@ class DecodeGraphs:
         a.view("ver_start").copy_(Lc - 1)
         a.view("ver_slot").copy_(self.ver_ctx.kv_slots.batch_slots(ver_pos, a.view("pages"), self.trash_kv))
         a.view("windowed").copy_(self.spec.windowed(L))
-        if self.gamma:
+        if self.drafting:
             a.view("ext_slot").copy_(self._draft_slots(ver_pos, active))
             if self.gamma > 1:
                 chain_pos = (Lc - 2)[None, :] + self.chain_steps  # [γ-1, B]: step i writes L-2+i
@@ -345,7 +357,7 @@ class DecodeGraphs:
     def _verify(self) -> None:
         """(Dense mode: the whole iteration, its staging and advance included.)"""
         model = self.model
-        if not self.gamma:
+        if not self.drafting:
             self.run_stage()
         self.ver_ids[:, 0] = self.stage.view("ver_x")
         if self.gamma:
@@ -353,7 +365,7 @@ class DecodeGraphs:
         hidden = model(self.ver_ids.view(-1), self.ver_ctx)
         self.ver_hidden.copy_(hidden)
         model.backend.argmax(model.compute_logits(hidden), out=self.target)
-        if not self.gamma:
+        if not self.drafting:
             self.run_advance()
 
     @torch.no_grad()
@@ -367,7 +379,7 @@ class DecodeGraphs:
         """Writes the accepted counts into ``out`` and returns them as a contiguous [B] tensor."""
         drafts, target, accepted, _, _ = self._results()
         forced = self.stage.view("forced")
-        a = torch.where(forced >= 0, forced, accept_greedy_batch(drafts[:, : self.gamma], target))
+        a = torch.where(forced >= 0, forced.clamp(max=self.gamma), accept_greedy_batch(drafts[:, : self.gamma], target))
         accepted.copy_(a)
         return a
 
@@ -417,17 +429,12 @@ class DecodeGraphs:
         return graph.replay
 
     # ---- host side of one iteration ------------------------------------------------------------
-    @staticmethod
-    def key(request_ids: list[int], forced: int | None) -> tuple:
-        """What ``loaded`` holds after ``load`` of those rows."""
-        return request_ids, forced
-
-    def load(self, rows: list[BatchRow], forced: int | None) -> None:
-        """Upload the batch's rows when they changed (``forced``: accept exactly this many drafts,
-        benchmark-only): block tables, L, x_{L-1}, state slots, reserved pages, and the draft state
-        (d_1 and the MTP output) unless the previous iteration's extend left it in ``next_d1`` /
-        ``next_hidden``. Call only with no iteration of this set in flight."""
-        key = self.key([r.request_id for r in rows], forced)
+    def load(self, rows: list[BatchRow]) -> None:
+        """Upload the batch's rows when they changed: block tables, L, x_{L-1}, state slots,
+        reserved pages, and the draft state (d_1 and the MTP output) unless the previous iteration's
+        extend left it in ``next_d1`` / ``next_hidden``. Call only with no iteration of this set in
+        flight."""
+        key = [r.request_id for r in rows]
         if key == self.loaded:
             return
         a = self.stage
@@ -436,19 +443,27 @@ class DecodeGraphs:
             self.target_table[b, : r.target_pages.numel()] = r.target_pages
             if self.ring:
                 self.draft_table[b, 0] = r.ring_base
-            elif self.gamma:
+            elif self.drafting:
                 self.draft_table[b, : r.draft_pages.numel()] = r.draft_pages
         a.set("length", [r.length for r in rows])
         a.set("ver_x", [r.last_token for r in rows])
         a.set("state", [self.memory.trash_state_slot if r.state_slot is None else r.state_slot for r in rows])
-        a.set("forced", [-1 if forced is None else forced] * self.B)
         a.set("pages", [r.target_pages.numel() for r in rows])
         a.set("draft_pages", [0 if r.draft_pages is None else r.draft_pages.numel() for r in rows])
         a.upload()
-        if self.gamma and any(r.draft_hidden.data_ptr() != self.next_hidden[b].data_ptr() for b, r in enumerate(rows)):
+        if self.drafting and any(r.draft_hidden.data_ptr() != self.next_hidden[b].data_ptr() for b, r in enumerate(rows)):
             self.next_hidden.copy_(torch.cat([r.draft_hidden for r in rows]))
             self.next_d1.copy_(torch.tensor([r.draft_token for r in rows]), non_blocking=False)
         self.loaded = key
+
+    def set_forced(self, forced: int | None) -> None:
+        """Benchmark-only: accept exactly ``forced`` drafts (clipped to γ) from the next launch on
+        (None: greedy acceptance). One small copy in stream order, so it may change between
+        overlapped iterations without a drain."""
+        value = -1 if forced is None else forced
+        if self.stage.values[self.stage.offsets["forced"]] != value:
+            self.stage.set("forced", [value] * self.B)
+            self.stage.upload_field("forced")
 
     def run(self, name: str) -> None:
         """Replay (or, uncaptured, call) one of the forwards."""

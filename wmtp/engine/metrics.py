@@ -22,13 +22,48 @@ def acceptance_length(hist: list[int]) -> float:
 
 
 @dataclass
+class PositionCounts:
+    """Per draft position j = 1..γ_max: ``trials[j-1]`` iterations verified draft j with drafts
+    1..j−1 accepted, ``accepts[j-1]`` of them accepted it. α_j = accepts / trials holds whatever
+    depth each iteration drafted (a histogram of accepted counts is censored at each iteration's γ,
+    so it gives α only for a fixed γ; there the two agree)."""
+
+    max_gamma: int
+    trials: list[int] = field(default_factory=list)
+    accepts: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.trials = [0] * self.max_gamma
+        self.accepts = [0] * self.max_gamma
+
+    def record(self, gamma: int, accepted: int) -> None:
+        """An iteration that drafted ``gamma`` tokens and accepted the first ``accepted``."""
+        for j in range(min(accepted + 1, gamma)):
+            self.trials[j] += 1
+        for j in range(accepted):
+            self.accepts[j] += 1
+
+    def add(self, trials: list[int], accepts: list[int]) -> None:
+        for j, (n, a) in enumerate(zip(trials, accepts)):
+            self.trials[j] += n
+            self.accepts[j] += a
+
+    def alphas(self) -> list[float]:
+        """α_j, j = 1..γ_max (nan where position j was never reached)."""
+        return [a / n if n else float("nan") for a, n in zip(self.accepts, self.trials)]
+
+
+@dataclass
 class RequestMetrics:
-    """Per request. ``hist[n]`` = iterations that accepted exactly n drafts (n = 0..γ)."""
+    """Per request. ``hist[n]`` = iterations that accepted exactly n drafts (n = 0..γ_max);
+    ``gammas``: the depth each iteration drafted (fixed γ unless the depth is adaptive)."""
 
     gamma: int
     arrival: float
     hist: list[int] = field(default_factory=list)
     t_iter: list[float] = field(default_factory=list)
+    gammas: list[int] = field(default_factory=list)
+    positions: PositionCounts = field(init=False)
     first_token_time: float | None = None
     finish_time: float | None = None
     proposed: int = 0
@@ -38,11 +73,14 @@ class RequestMetrics:
 
     def __post_init__(self) -> None:
         self.hist = [0] * (self.gamma + 1)
+        self.positions = PositionCounts(self.gamma)
 
-    def record_iteration(self, accepted: int, seconds: float) -> None:
+    def record_iteration(self, accepted: int, seconds: float, gamma: int) -> None:
         self.hist[accepted] += 1
         self.t_iter.append(seconds)
-        self.proposed += self.gamma
+        self.gammas.append(gamma)
+        self.positions.record(gamma, accepted)
+        self.proposed += gamma
         self.accepted += accepted
 
     @property
@@ -60,7 +98,10 @@ class RequestMetrics:
             "iterations": sum(self.hist),
             "acceptance_histogram": list(self.hist),
             "acceptance_length": acceptance_length(self.hist),
-            "alpha": alphas_from_histogram(self.hist),
+            "alpha": self.positions.alphas(),
+            "position_trials": list(self.positions.trials),
+            "position_accepts": list(self.positions.accepts),
+            "gammas": list(self.gammas),
             "t_iter": list(self.t_iter),
             "t_iter_median": statistics.median(self.t_iter) if self.t_iter else None,
             "ttft": self.ttft,
@@ -76,11 +117,13 @@ class RequestMetrics:
 class EngineMetrics:
     """Engine-wide: every speculative iteration (one per batched ``_iteration`` call: its accepted
     counts for all requests and its wall time) and every finished request's TTFT / TPOT.
-    Invariant: ``hist`` equals the sum of the per-request histograms of every request seen."""
+    Invariant: ``hist`` and ``positions`` equal the sums over every request seen."""
 
     gamma: int
     hist: list[int] = field(default_factory=list)
     t_iter: list[float] = field(default_factory=list)
+    gammas: list[int] = field(default_factory=list)  # the depth each iteration drafted
+    positions: PositionCounts = field(init=False)
     batch_sizes: list[int] = field(default_factory=list)
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
@@ -91,13 +134,16 @@ class EngineMetrics:
 
     def __post_init__(self) -> None:
         self.hist = [0] * (self.gamma + 1)
+        self.positions = PositionCounts(self.gamma)
 
-    def record_iteration(self, accepted: list[int], seconds: float) -> None:
+    def record_iteration(self, accepted: list[int], seconds: float, gamma: int) -> None:
         for a in accepted:
             self.hist[a] += 1
+            self.positions.record(gamma, a)
         self.t_iter.append(seconds)
+        self.gammas.append(gamma)
         self.batch_sizes.append(len(accepted))
-        self.proposed += self.gamma * len(accepted)
+        self.proposed += gamma * len(accepted)
         self.accepted += sum(accepted)
 
     def record_finish(self, request: RequestMetrics) -> None:
@@ -115,7 +161,8 @@ class EngineMetrics:
             "iterations": len(self.t_iter),
             "acceptance_histogram": list(self.hist),
             "acceptance_length": acceptance_length(self.hist),
-            "alpha": alphas_from_histogram(self.hist),
+            "alpha": self.positions.alphas(),
+            "gamma_histogram": [self.gammas.count(g) for g in range(self.gamma + 1)],
             "t_iter_median": med(self.t_iter),
             "mean_batch_size": sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else None,
             "ttft_median": med(self.ttft),

@@ -22,7 +22,7 @@ from torch import nn
 from wmtp.config import ModelConfig
 from wmtp.kernels.common import acc_dtype
 from wmtp.models.backend import Backend
-from wmtp.models.context import ForwardContext, PagedSlots
+from wmtp.models.context import ForwardContext, PagedSlots, packed_windows
 from wmtp.quant import QuantConfig
 
 
@@ -160,7 +160,8 @@ class TargetLM(nn.Module, ABC):
                                "(the recurrent layers' verify_record, bound by MemoryManager.bind)")
         n = recorded[layers[0].layer_idx][0].shape[1] - pools.conv.shape[-1]  # window rows: K-1 old, n inputs
         rollback = getattr(self.backend, f"{recurrent_state(self.config).kind}_rollback")
-        rollback(pools.conv, pools.ssm, pools.verify_tokens, pools.verify_windows, slots, accepted, n)
+        windows = packed_windows(pools.verify_windows, pools.conv.shape[-1] + n)  # as the verify recorded them
+        rollback(pools.conv, pools.ssm, pools.verify_tokens, windows, slots, accepted, n)
 
     # ---- private contiguous caches (score, tests, simple decoding; the engine binds paged pools) --
     @contextlib.contextmanager

@@ -138,6 +138,15 @@ class ForwardContext:
         hold when the graph runs."""
         self.__dict__.update(positions=positions, write_slots=write_slots, device_lens=device_lens)
 
+    def record_buffers(self, record: tuple[torch.Tensor, torch.Tensor] | None,
+                       conv_kernel: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A recurrent layer's preallocated verify record (tokens, windows [seqs, K-1+d, C], sized
+        for the largest verify d) viewed for this forward's n = q_len tokens: the windows packed as
+        [seqs, K-1+n, C] (an adaptive depth verifies fewer than d)."""
+        if record is None or not self.record_states:
+            return record
+        return record[0], packed_windows(record[1], conv_kernel - 1 + self.q_lens[0])
+
     def window(self, req: int) -> DraftWindow | None:
         return None if self.windows is None else self.windows[req]
 
@@ -150,3 +159,13 @@ class ForwardContext:
             for b, (s, n) in enumerate(zip(self.q_starts, self.q_lens))
         ]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=self.device)
+
+
+def packed_windows(buf: torch.Tensor, rows: int) -> torch.Tensor:
+    """``buf`` [..., seqs, R, C] (each leading slice contiguous) as [..., seqs, rows, C], rows <= R:
+    the first seqs·rows·C elements of each leading slice, so a record of fewer verify tokens is laid
+    out as if its buffer had been allocated for them."""
+    *lead, seqs, R, C = buf.shape
+    if rows > R:
+        raise ValueError(f"packed_windows: {rows} rows do not fit the record's {R}")
+    return buf.reshape(*lead, seqs * R * C)[..., : seqs * rows * C].view(*lead, seqs, rows, C)

@@ -226,7 +226,8 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._project(x)
         core = self.backend.gated_delta_net(
             mixed, a, b, self.A_log, self.dt_bias, self.conv1d.weight.squeeze(1), self.conv_state, self.ssm_state,
-            ctx, self.layer_idx, (self.hk, self.hv, self.dk, self.dv, self.kernel), self.verify_record,
+            ctx, self.layer_idx, (self.hk, self.hv, self.dk, self.dv, self.kernel),
+            ctx.record_buffers(self.verify_record, self.kernel),
         )
         core = self.backend.gated_rms_norm(core, z, self.norm.weight, self.norm_eps)
         return self.out_proj(core.reshape(x.shape[0], -1))

@@ -61,7 +61,8 @@ class Mamba2Mixer(nn.Module):
         m = self.shape
         z, xbc, dt = self.in_proj(x).split([m.inner, m.conv_dim, m.heads], dim=-1)
         y = self.backend.mamba2(xbc, dt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, self.A_log,
-                                self.D, self.conv_state, self.ssm_state, ctx, self.layer_idx, m, self.verify_record)
+                                self.D, self.conv_state, self.ssm_state, ctx, self.layer_idx, m,
+                                ctx.record_buffers(self.verify_record, m.conv_kernel))
         normed = self.backend.gated_group_rms_norm(y, z, self.norm.weight, m.inner // m.groups, self.eps)
         return self.out_proj(normed.to(x.dtype))
 

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from wmtp.engine.engine import Engine
-from wmtp.engine.metrics import acceptance_length, alphas_from_histogram
+from wmtp.engine.metrics import PositionCounts, acceptance_length
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5)
@@ -53,13 +53,15 @@ class ServerMetrics:
                               buckets=TPOT_BUCKETS, registry=r)
         spec, mem = engine.spec, engine.memory
         self.gamma = spec.gamma
-        self.spec_labels = {"mode": spec.mode, "num_draft_tokens": str(spec.num_draft_tokens),
+        self.spec_labels = {"mode": spec.mode, "num_draft_tokens": "auto" if spec.adaptive else str(spec.num_draft_tokens),
                             "window": str(spec.window), "sink": str(spec.sink), "ring": str(spec.uses_ring).lower()}
         self.capacity = {name: getattr(mem, attr).capacity for name, (_, attr, _) in POOLS.items()}
         report = mem.bytes_report()
         self.pool_bytes = {name: report[key] for name, (_, _, key) in POOLS.items() if key is not None}
         self._lock = threading.Lock()
         self._hist = [0] * (self.gamma + 1)
+        self._depths = [0] * (self.gamma + 1)  # iterations by the depth γ they drafted
+        self._positions = PositionCounts(self.gamma)
         self._proposed = self._accepted = 0
         self._snapshot: tuple[dict[str, int], int, int] = ({k: 0 for k, _, _ in POOLS.values()}, 0, 0)
         r.register(_EngineCollector(self))
@@ -82,13 +84,17 @@ class ServerMetrics:
         with self._lock:
             for n, h in enumerate(m["acceptance_histogram"]):
                 self._hist[n] += h
+            for g in m["gammas"]:
+                self._depths[g] += 1
+            self._positions.add(m["position_trials"], m["position_accepts"])
             self._proposed += m["proposed_draft_tokens"]
             self._accepted += m["accepted_draft_tokens"]
 
     # ---- scrape side ---------------------------------------------------------------------------
-    def acceptance(self) -> tuple[list[int], int, int]:
+    def acceptance(self) -> tuple[list[int], list[int], list[float], int, int]:
+        """(H[n], iterations per depth γ, α_j, proposed, accepted) over the finished requests."""
         with self._lock:
-            return list(self._hist), self._proposed, self._accepted
+            return list(self._hist), list(self._depths), self._positions.alphas(), self._proposed, self._accepted
 
     def usage(self) -> tuple[dict[str, int], int, int]:
         """(units in use per ``MemoryManager.usage()`` key, running requests, waiting requests)."""
@@ -126,18 +132,23 @@ class _EngineCollector(Collector):
         yield from (units, cap, ratio, size, info)
 
     def _acceptance(self) -> Iterator[Metric]:
-        hist, proposed, accepted = self.m.acceptance()
+        hist, depths, alphas, proposed, accepted = self.m.acceptance()
         it = CounterMetricFamily("wmtp_spec_iterations", "speculative iterations by drafts accepted (H[n])",
                                  labels=["accepted"])
         for n, h in enumerate(hist):
             it.add_metric([str(n)], h)
         yield it
+        depth = CounterMetricFamily("wmtp_spec_depth", "speculative iterations by draft depth γ (fixed unless "
+                                    "num_draft_tokens is auto)", labels=["gamma"])
+        for g, n in enumerate(depths):
+            depth.add_metric([str(g)], n)
+        yield depth
         yield CounterMetricFamily("wmtp_draft_tokens_proposed", "draft tokens proposed", value=proposed)
         yield CounterMetricFamily("wmtp_draft_tokens_accepted", "draft tokens accepted", value=accepted)
         yield GaugeMetricFamily("wmtp_acceptance_length", "AL: mean tokens emitted per iteration (NaN before any)",
                                 value=acceptance_length(hist))
         alpha = GaugeMetricFamily("wmtp_acceptance_alpha", "α_j: P(draft j accepted | drafts 1..j-1 accepted)",
                                   labels=["j"])
-        for j, a in enumerate(alphas_from_histogram(hist), start=1):
+        for j, a in enumerate(alphas, start=1):
             alpha.add_metric([str(j)], a)
         yield alpha

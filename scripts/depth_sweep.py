@@ -1,0 +1,112 @@
+"""On CPU: adaptive draft depth against every fixed depth with REAL acceptance — SmolLM2-135M + its
+trained MTP head on the chat-wrapped RULER workloads at 8K, windowed W = 512, sink 16, greedy.
+
+    PYTHONPATH=. python scripts/depth_sweep.py --gen 96
+
+Per prompt: one prefill (``wmtp.bench.acceptance.take_snapshot``), then each config decodes
+``--gen`` tokens (ignore_eos) from the fork, timed from the fork's first token to the last: TPOT,
+AL, the depths ``auto`` chose. The configs run in ``--rounds`` rounds, each in a rotated order (a
+loaded host drifts; every config sees the same drift on average); TPOT is the median over rounds.
+Every output must equal dense's (lossless). Writes ``benchmarks/results/acceptance/depth.json``
+and the run-length traces of the d = 8 runs (``depth_traces.json``, γ = 7) that
+``wmtp bench depth-replay`` replays on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from scripts.acceptance_sweep import HEAD, MODEL, TASKS, load
+from wmtp.bench.acceptance import fork, take_snapshot
+from wmtp.engine.config import SpecConfig
+from wmtp.engine.metrics import acceptance_length
+from wmtp.engine.sampling import SamplingParams
+
+BASE = dict(mode="windowed", window=512, sink=16)
+FIXED = range(2, 9)
+TRACE_D = 8
+
+
+def configs() -> dict[str, SpecConfig]:
+    specs = {f"d{d}": SpecConfig(**BASE, num_draft_tokens=d) for d in FIXED}
+    specs["auto"] = SpecConfig(**BASE, num_draft_tokens="auto", max_draft_tokens=max(FIXED))
+    return specs
+
+
+@torch.no_grad()
+def decode(model, snap, spec: SpecConfig, gen: int) -> dict:
+    eng, req = fork(model, snap, spec, SamplingParams(max_tokens=gen, ignore_eos=True))
+    t0 = time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+    seconds = time.perf_counter() - t0
+    m = req.metrics
+    return {"tokens": req.tokens[len(snap.prompt):], "seconds": seconds, "tpot_s": seconds / (m.num_generated - 1),
+            "hist": list(m.hist), "gammas": list(m.gammas), "runs": [it.accepted for it in eng.trace.get(req.id, [])]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--head", default=HEAD)
+    ap.add_argument("--tasks", nargs="*", default=TASKS)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokens", type=int, default=8000)
+    ap.add_argument("--gen", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prefill-chunk", type=int, default=1024)
+    ap.add_argument("--out", default="benchmarks/results/acceptance/depth.json")
+    ap.add_argument("--traces-out", default="benchmarks/results/acceptance/depth_traces.json")
+    a = ap.parse_args()
+    from wmtp.workloads import make_workload
+
+    model = load(a.model, a.head)
+    specs = configs()
+    names = list(specs)
+    rows, traces = [], {}
+    for task in a.tasks:
+        w = make_workload(task, a.tokens, a.model, seed=a.seed, chat=True)
+        snap = take_snapshot(model, w["token_ids"], prefill_chunk=a.prefill_chunk)
+        dense = decode(model, snap, SpecConfig(mode="dense", num_draft_tokens=1), a.gen)
+        runs: dict[str, list[dict]] = {n: [] for n in names}
+        for r in range(a.rounds):
+            for n in names[r % len(names):] + names[: r % len(names)]:
+                runs[n].append(decode(model, snap, specs[n], a.gen))
+        for n in names:
+            first = runs[n][0]
+            rows.append({"task": task, "config": n, "tpot_s": statistics.median(x["tpot_s"] for x in runs[n]),
+                         "tpot_rounds_s": [x["tpot_s"] for x in runs[n]], "al": acceptance_length(first["hist"]),
+                         "gamma_histogram": [first["gammas"].count(g) for g in range(specs[n].gamma + 1)],
+                         "equal_dense": all(x["tokens"] == dense["tokens"] for x in runs[n])})
+            print(f"{task:16s} {n:5s} TPOT {rows[-1]['tpot_s'] * 1e3:7.1f} ms AL {rows[-1]['al']:.3f} "
+                  f"γ {rows[-1]['gamma_histogram']} equal_dense={rows[-1]['equal_dense']}", flush=True)
+        traces[task] = runs[f"d{TRACE_D}"][0]["runs"]
+    summary = []
+    for task in a.tasks:
+        mine = {r["config"]: r for r in rows if r["task"] == task}
+        best = min((n for n in names if n != "auto"), key=lambda n: mine[n]["tpot_s"])
+        summary.append({"task": task, "best_fixed": best, "auto_over_best": mine["auto"]["tpot_s"] / mine[best]["tpot_s"],
+                        "auto_over_d7": mine["auto"]["tpot_s"] / mine["d7"]["tpot_s"]})
+        print(summary[-1], flush=True)
+    what = (f"SmolLM2-135M + its MTP head, windowed W=512 sink=16, greedy, real acceptance: TPOT of auto (d_max "
+            f"{max(FIXED)}) and of each fixed d, median over {a.rounds} rounds in rotated order, CPU fp32 "
+            f"({torch.get_num_threads()} threads)")
+    Path(a.out).write_text(json.dumps({
+        "what": what, "prompts": f"{len(a.tasks)} chat-wrapped RULER prompts of {a.tokens} tokens (seed {a.seed}), "
+                                 f"{a.gen} tokens each with ignore_eos",
+        "command": f"PYTHONPATH=. python scripts/depth_sweep.py --gen {a.gen} --rounds {a.rounds}",
+        "rows": rows, "summary": summary}, indent=1) + "\n")
+    Path(a.traces_out).write_text(json.dumps({
+        "what": f"acceptance run lengths per iteration of the d={TRACE_D} runs of {a.out} (censored at gamma)",
+        "gamma": TRACE_D - 1, "traces": traces}) + "\n")
+    print(f"wrote {a.out} and {a.traces_out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Adaptive draft depth (``SpecConfig(num_draft_tokens="auto")``).
+
+Before each iteration the engine picks γ ∈ [0, γ_max] (γ = 0: verify x_{L−1} alone, a plain
+decode step whose draft-extend keeps the draft caught up) maximising expected tokens per second
+of the batch, Σ_b E_b[tokens | γ] / T(γ):
+
+- E_b[tokens | γ] = 1 + Σ_{k=1..γ} Π_{j≤k} α_j (the bonus token, plus each draft accepted together
+  with every draft before it), with α_j the request's per-position acceptance (``PositionCounts``)
+  shrunk towards the engine-wide estimate, which is itself shrunk towards the position before it
+  (acceptance falls with depth: an unseen position is assumed as good as the last seen one, so
+  the controller still tries it and learns). Choosing γ from the past only is what keeps the
+  output exact: speculative sampling is lossless for any depth fixed before the drafts are seen.
+- T(γ): the engine's own measured iteration times for this batch size, the median of the most
+  recent warm samples per γ; depths not measured yet come from the affine latency model
+  T = c + γ·t_draft (DESIGN §6) fitted through the measured ones. Until two depths are measured
+  the controller calibrates (γ_max, then 1).
+
+The batch takes one γ: the verify reads every weight once for the whole batch, so its cost is set
+by the widest request, and graphs are captured per (batch size, γ); a per-request mask would save
+none of the bandwidth-bound step and would still pay the widest verify.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict, deque
+from collections.abc import Sequence
+
+from wmtp.engine.metrics import PositionCounts
+
+PRIOR_STRENGTH = 2.0  # pseudo-trials of the prior per position: two real trials weigh as much
+FIRST_PRIOR = 0.5  # α_1 before any trial anywhere
+KEEP_SAMPLES = 16  # recent iteration times per (batch size, γ): the median follows a growing context
+
+
+def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
+    """E[tokens | γ] = 1 + Σ_{k=1..γ} Π_{j≤k} α_j."""
+    total, run = 1.0, 1.0
+    for a in alphas[:gamma]:
+        run *= a
+        total += run
+    return total
+
+
+def shrunk_alphas(counts: PositionCounts, prior: Sequence[float], strength: float = PRIOR_STRENGTH) -> list[float]:
+    """Posterior means (accepts + strength·prior) / (trials + strength), position by position."""
+    return [(a + strength * m) / (n + strength) for a, n, m in zip(counts.accepts, counts.trials, prior)]
+
+
+def pooled_alphas(counts: PositionCounts, strength: float = PRIOR_STRENGTH) -> list[float]:
+    """Engine-wide α_j, each position shrunk towards the estimate of the one before it."""
+    out, prior = [], FIRST_PRIOR
+    for a, n in zip(counts.accepts, counts.trials):
+        prior = (a + strength * prior) / (n + strength)
+        out.append(prior)
+    return out
+
+
+def best_depth(alphas: Sequence[Sequence[float]], times: Sequence[float]) -> int:
+    """argmax over γ of Σ_b E_b[tokens | γ] / T(γ) (``times[γ]``, γ = 0..len − 1); ties → the smaller γ."""
+    scores = [sum(expected_tokens(a, g) for a in alphas) / t for g, t in enumerate(times)]
+    return max(range(len(scores)), key=lambda g: (scores[g], -g))
+
+
+class IterationTimes:
+    """Measured T(γ) per batch size. The first sample of each (B, γ) is dropped: it carries the
+    graph capture or the kernels' compilation."""
+
+    def __init__(self, max_gamma: int, keep: int = KEEP_SAMPLES) -> None:
+        self.max_gamma = max_gamma
+        self._samples: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=keep))
+        self._seen: set[tuple[int, int]] = set()
+
+    def record(self, batch: int, gamma: int, seconds: float) -> None:
+        key = (batch, gamma)
+        if key in self._seen:
+            self._samples[key].append(seconds)
+        self._seen.add(key)
+
+    def measured(self, batch: int) -> dict[int, float]:
+        return {g: statistics.median(s) for (b, g), s in self._samples.items() if b == batch and s}
+
+    def calibration(self, batch: int) -> int | None:
+        """The next depth to measure while fewer than two are (None once the model can be fitted)."""
+        m = self.measured(batch)
+        if len(m) >= 2:
+            return None
+        for g in (self.max_gamma, 1 if self.max_gamma > 1 else 0):
+            if g not in m:
+                return g
+        return None
+
+    def estimate(self, batch: int) -> list[float]:
+        """T(γ) for γ = 0..γ_max: measured medians where there are, the affine fit elsewhere (needs
+        two measured depths; floored at a tenth of the fastest measured, so a noisy slope cannot
+        predict a free iteration)."""
+        m = self.measured(batch)
+        gs = sorted(m)
+        g_mean = sum(gs) / len(gs)
+        t_mean = sum(m.values()) / len(gs)
+        slope = sum((g - g_mean) * (m[g] - t_mean) for g in gs) / sum((g - g_mean) ** 2 for g in gs)
+        floor = min(m.values()) / 10
+        return [m.get(g, max(t_mean + slope * (g - g_mean), floor)) for g in range(self.max_gamma + 1)]
+
+
+class DepthController:
+    """Chooses each iteration's γ from the requests' acceptance and the measured times."""
+
+    def __init__(self, max_gamma: int) -> None:
+        self.max_gamma = max_gamma
+        self.times = IterationTimes(max_gamma)
+
+    def choose(self, requests: Sequence[PositionCounts], pooled: PositionCounts) -> int:
+        batch = len(requests)
+        cal = self.times.calibration(batch)
+        if cal is not None:
+            return cal
+        prior = pooled_alphas(pooled)
+        return best_depth([shrunk_alphas(c, prior) for c in requests], self.times.estimate(batch))
+
+    def record(self, batch: int, gamma: int, seconds: float) -> None:
+        self.times.record(batch, gamma, seconds)
