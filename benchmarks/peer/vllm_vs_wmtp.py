@@ -649,7 +649,7 @@ def run_child(a: argparse.Namespace, child: str, deadline: float) -> dict[str, A
     log_path = Path(a.state) / f"log_{child.replace(':', '_').replace(',', '_')}.txt"
     if left < 30:
         print(f"== {child}: skipped, {left:.0f} s left before the deadline", flush=True)
-        return {"child": child, "status": "skipped (deadline)"}
+        return {"child": child, "status": "skipped (deadline)", "seconds": 0, "log_lines": []}
     print(f"== {child} (up to {left:.0f} s)", flush=True)
     env = child_env(os.environ, a.vllm_no_cutedsl)
     t0 = time.monotonic()
@@ -801,7 +801,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "where all decode needs room")
     p.add_argument("--batch-from-largest", type=int, default=262144,
                    help="B = 1 contexts above this run after the batch row (the expensive ones last)")
-    p.add_argument("--engines", type=names, default=["vllm", "wmtp"])
+    p.add_argument("--engines", type=names, default=["vllm", "wmtp"], help="which, in this order")
     p.add_argument("--vllm-modes", type=names, default=["dense", "mtp"])
     p.add_argument("--wmtp-modes", type=names, default=["dense", "native", "windowed"])
     p.add_argument("-d", type=int, default=7, help="verify tokens per step (vLLM: num_speculative_tokens = d - 1)")
@@ -824,6 +824,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None, help="both engines (default: the preset's max positions)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the wmtp half only (tiny presets)")
     p.add_argument("--deadline", type=float, default=540, help="seconds for the whole run; children are cut there")
+    p.add_argument("--child-timeout", type=float, default=900,
+                   help="seconds for one child (engine and mode), so that a hung one cannot take the whole run")
     p.add_argument("--smoke", action="store_true",
                    help="a quick end-to-end check: 4 decoder layers of the preset, S = 4096 and 16384, "
                         "B = 8 at 2048, 16 tokens")
@@ -839,6 +841,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.layers = a.layers or 4
         a.contexts, a.max_tokens = [4096, 16384], 16
         a.batch_context, a.batch_max_tokens = 2048, 64
+    if set(a.engines) - {"vllm", "wmtp"}:
+        p.error(f"--engines: vllm and/or wmtp, not {a.engines}")
     if a.device == "cpu":
         a.engines = [e for e in a.engines if e != "vllm"]
     if "mtp" in a.vllm_modes or set(a.wmtp_modes) - {"dense"}:
@@ -884,11 +888,14 @@ def main(argv: list[str] | None = None) -> int:
         detach(Path(a.state))
     deadline = time.monotonic() + a.deadline
     children = []
-    jobs = [f"vllm:{m}" for m in a.vllm_modes if "vllm" in a.engines]
-    if "wmtp" in a.engines and a.wmtp_modes:
-        jobs.append("wmtp:" + ",".join(a.wmtp_modes))
+    jobs = []  # in --engines order
+    for e in a.engines:
+        if e == "vllm":
+            jobs += [f"vllm:{m}" for m in a.vllm_modes]
+        elif a.wmtp_modes:
+            jobs.append("wmtp:" + ",".join(a.wmtp_modes))
     for job in jobs:
-        children.append(run_child(a, job, deadline))
+        children.append(run_child(a, job, min(deadline, time.monotonic() + a.child_timeout)))
         write(merge(state_parts(a.state), a, children), a.out)  # after each child: a cut run keeps its rows
     return 0 if all(c["status"] == "ok" for c in children) else 1
 
