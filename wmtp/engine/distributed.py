@@ -231,7 +231,8 @@ class Ranks:
             raise
 
     def new_key(self) -> int:
-        """A key for ``keep`` / ``release``, the same on every rank (allocated on rank 0, passed in calls)."""
+        """A key under which every rank keeps something between calls (an engine), passed to them
+        in a call's arguments; ``release`` drops it."""
         return next(self._keys)
 
     def release(self, key: int) -> None:

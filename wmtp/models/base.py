@@ -92,8 +92,9 @@ class TargetLM(nn.Module, ABC):
     static_decode: bool = False
     # this rank's group when the model is one shard of a tensor-parallel model (``parallel.shard_``):
     # ``config`` is then the shard's (head counts and intermediate widths divided; the vocabulary
-    # whole) and ``whole_config`` the model's
+    # whole) and ``whole_config`` the model's (an annotation only: set by ``shard_``)
     tp: TPGroup | None = None
+    whole_config: ModelConfig
 
     @property
     @abstractmethod

@@ -47,6 +47,10 @@ from wmtp.config import ModelConfig
 from wmtp.errors import ConfigError
 
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated there); the GPU machine's 2.11 may not have the new name
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 @dataclass(frozen=True)
 class TPGroup:
     """This process's place among ``size`` tensor-parallel ranks; ``group`` is the torch.distributed
@@ -64,9 +68,9 @@ class TPGroup:
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' ``x`` side by side along the last dim, rank order (vocabulary shards -> logits)."""
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim=-1)
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        _all_gather(out, x, group=self.group)
+        return out.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], -1)
 
 
 def check_shardable(cfg: ModelConfig, size: int, quantized: bool = False) -> None:
