@@ -11,11 +11,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def load_model(path_or_preset: str, device: str = "cpu", dtype: Any = None, seed: int = 0, backend: str = "torch",
-               quantize: str | None = None) -> "TargetLM":
+               quantize: str | None = None, tp: Any = None) -> "TargetLM":
     """A checkpoint directory (config.json + safetensors; quantized ones as their config says) or a
     preset name (random weights made directly on ``device``; quantized as the preset says, or to
     ``quantize`` = ``nvfp4`` | ``fp8`` by round-to-nearest). ``dtype`` (of what stays unquantized)
-    defaults to the checkpoint's / preset's own."""
+    defaults to the checkpoint's / preset's own. ``tp`` (a ``wmtp.models.parallel.TPGroup``): only
+    that rank's shard, the same weights as the whole model's (a preset's too)."""
     from pathlib import Path
 
     from wmtp.errors import CheckpointError
@@ -27,7 +28,7 @@ def load_model(path_or_preset: str, device: str = "cpu", dtype: Any = None, seed
         if quantize is not None:
             raise CheckpointError(f"{path_or_preset}: quantize={quantize!r} applies to presets; a checkpoint "
                                   "carries its own format")
-        return load_checkpoint(path_or_preset, device=device, dtype=dtype, backend=backend)
+        return load_checkpoint(path_or_preset, device=device, dtype=dtype, backend=backend, tp=tp)
     if path_or_preset not in PRESETS and ("/" in path_or_preset or Path(path_or_preset).exists()):
         raise CheckpointError(f"{path_or_preset}: no such checkpoint directory (and not a preset name)")
     cfg = preset_config(path_or_preset)
@@ -36,7 +37,7 @@ def load_model(path_or_preset: str, device: str = "cpu", dtype: Any = None, seed
         quant = default_config(quantize, DEFAULT_EXCLUDE)
     else:
         quant = None if raw_quant is None else QuantConfig.from_config_dict(raw_quant, f"preset {path_or_preset}")
-    model = build_model(cfg, device, resolve_dtype(dtype, cfg.torch_dtype), backend, quant)
+    model = build_model(cfg, device, resolve_dtype(dtype, cfg.torch_dtype), backend, quant, tp)
     return init_random_(model, seed)
 
 

@@ -2,4 +2,5 @@
 
 from wmtp.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # tensor-parallel ranks are spawned processes that import this module again
+    raise SystemExit(main())

@@ -176,6 +176,11 @@ def _depth(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r}: an int >= 1, or 'auto'") from None
 
 
+def _tp_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the model over N ranks, one process each (--device cuda: one GPU each)")
+
+
 def _spec(a: argparse.Namespace):
     from wmtp.engine.config import SpecConfig
 
@@ -203,6 +208,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--backend", default="auto", help="torch | triton | auto (triton on CUDA)")
+    _tp_arg(p)
 
 
 def generate(a: argparse.Namespace) -> int:
@@ -220,8 +226,15 @@ def generate(a: argparse.Namespace) -> int:
 
     prompt = Path(a.prompt_file).read_text() if a.prompt_file else a.prompt
     backend = default_backend(a.device) if a.backend == "auto" else a.backend
-    model = wmtp.load_model(a.model or a.preset, device=a.device, dtype=a.dtype, backend=backend)
-    tok = TextTokenizer.for_model(a.model or a.preset, model.config.vocab_size)
+    name, tp = a.model or a.preset, a.tensor_parallel_size
+    if tp == 1:
+        model = wmtp.load_model(name, device=a.device, dtype=a.dtype, backend=backend)
+        vocab = model.config.vocab_size
+    else:  # the ranks load their shards when the engine starts
+        from wmtp.engine.distributed import check_tensor_parallel
+
+        vocab = check_tensor_parallel(name, tp, a.device).vocab_size
+    tok = TextTokenizer.for_model(name, vocab)
     if tok is not None:
         ids = tok.encode(prompt)
     else:
@@ -232,8 +245,14 @@ def generate(a: argparse.Namespace) -> int:
     spec = _spec(a)
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, max_tokens=a.max_tokens,
                             seed=a.seed, ignore_eos=a.ignore_eos)
-    eng = Engine(model, spec, EngineConfig(max_model_len=a.max_model_len or len(ids) + a.max_tokens,
-                                           max_num_seqs=1, prefill_chunk=a.prefill_chunk))
+    eng_cfg = EngineConfig(max_model_len=a.max_model_len or len(ids) + a.max_tokens, max_num_seqs=1,
+                           prefill_chunk=a.prefill_chunk)
+    if tp == 1:
+        eng = Engine(model, spec, eng_cfg)
+    else:
+        from wmtp.engine.distributed import TPEngine
+
+        eng = TPEngine.start(tp, name, spec, eng_cfg, a.device, a.dtype, backend=backend)
     rid = eng.add_request(ids, params)
     req = eng.requests[rid]
     bar = tqdm(total=len(ids), desc="prefill", unit="tok", disable=len(ids) < 4 * a.prefill_chunk)
@@ -250,7 +269,7 @@ def generate(a: argparse.Namespace) -> int:
     tpot = f"{m['tpot'] * 1e3:.1f} ms" if m["tpot"] else "n/a"
     print(f"[{a.mode}] {len(out)} tokens | AL {m['acceptance_length']:.2f} | TTFT {m['ttft'] * 1e3:.0f} ms | "
           f"TPOT {tpot} | draft KV {draft / 2**20:.2f} MiB ({'ring' if spec.uses_ring else 'pool'}) | "
-          f"target KV {mem['target_kv'] / 2**20:.2f} MiB")
+          f"target KV {mem['target_kv'] / 2**20:.2f} MiB" + (f" (each of {tp} ranks)" if tp > 1 else ""))
     return 0
 
 
@@ -292,6 +311,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--seed", type=int, default=0, help="random weights of a --preset")
+    _tp_arg(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -316,7 +336,8 @@ def serve(a: argparse.Namespace) -> int:
     kv_bytes = int(a.kv_memory_gb * 2**30) if a.kv_memory_gb is not None else None
     llm = LLM(a.model or a.preset, spec=spec, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
               max_num_seqs=a.max_num_seqs, page_size=a.page_size, num_kv_pages=a.num_kv_pages,
-              kv_memory_bytes=kv_bytes, prefill_chunk=a.prefill_chunk, seed=a.seed)
+              kv_memory_bytes=kv_bytes, prefill_chunk=a.prefill_chunk, seed=a.seed,
+              tensor_parallel_size=a.tensor_parallel_size)
     template = Path(a.chat_template).read_text() if a.chat_template else find_chat_template(llm.tokenizer, a.model)
     name = a.served_model_name or (Path(a.model).resolve().name if a.model else a.preset)
     app = create_app(llm.engine, llm.tokenizer, name, chat_template=template,

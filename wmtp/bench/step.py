@@ -30,6 +30,7 @@ import torch
 from wmtp.bench.gpu_state import describe_gpu_state, gpu_state
 from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.engine.engine import Engine
+from wmtp.models.parallel import TPGroup
 
 
 def _spec(mode: str, d: int, window: int, sink: int) -> SpecConfig:
@@ -66,10 +67,10 @@ def _sync_time(fn, device: torch.device | str = "cuda") -> float:
     return time.perf_counter() - t0
 
 
-def hardware_name(device: torch.device | str) -> str:
+def hardware_name(device: torch.device | str, count: int = 1) -> str:
     device = torch.device(device)
     if device.type == "cuda":
-        return f"1x {torch.cuda.get_device_name(device)}"
+        return f"{count}x {torch.cuda.get_device_name(device)}"
     import platform
 
     return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
@@ -245,24 +246,34 @@ def weights(model) -> str:
 
 def _meta(a: argparse.Namespace, synthetic: bool, runs: int = 1) -> dict:
     argv = getattr(a, "argv", None) or sys.argv[1:]  # cli.main records its argv (tests call it in-process)
+    tp = getattr(a, "tensor_parallel_size", 1)
     return {
-        "hardware": hardware_name(getattr(a, "device", "cuda")), "model": a.preset,
+        "hardware": hardware_name(getattr(a, "device", "cuda"), tp), "tensor_parallel_size": tp, "model": a.preset,
         "dtype": getattr(a, "dtype", None) or "bfloat16", "synthetic": synthetic, "runs": runs,
         "command": "wmtp " + " ".join(argv), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "commit": revision(),
     }
 
 
-def run_step(a: argparse.Namespace) -> int:
-    import wmtp
+def step_bandwidth(device: torch.device) -> dict:
+    """The read bandwidth the step floors divide by (``floor.measure_bandwidth``), reported."""
     from wmtp.bench.floor import measure_bandwidth
 
-    device = torch.device(a.device)
     bw = measure_bandwidth(device)
     bw["gpu_state_after"] = gpu_state(device)
     print(f"read bandwidth {bw['read_bytes_per_s'] / 1e9:.1f} GB/s (the floor's; a copy runs "
           f"{bw['copy_bytes_per_s'] / 1e9:.1f} GB/s read + write)", flush=True)
-    model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend)
+    return bw
+
+
+def run_step(a: argparse.Namespace, bw: dict | None = None, tp: TPGroup | None = None) -> int:
+    """``tp``: this rank's group when every rank of one runs it (``_run_ranks``); ``bw``: the
+    bandwidth measured already (then rank 0's device's, for every rank)."""
+    import wmtp
+
+    device = torch.device(a.device)
+    bw = bw or step_bandwidth(device)
+    model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend, tp=tp)
     modes = [m for m in a.modes.split(",") if m]
     rows = [time_mode(model, m, a, bw["read_bytes_per_s"]) for m in modes]
     by = {r["mode"]: r for r in rows}
@@ -284,9 +295,10 @@ def run_step(a: argparse.Namespace) -> int:
         result["kernels"] = kernel_bench(a, device)
     if a.admission:
         result["admission"] = [admission(model, m, a) for m in modes]
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {a.out}")
+    if tp is None or tp.rank == 0:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {a.out}")
     return 0
 
 
@@ -308,10 +320,10 @@ def _prefill_seconds(model, spec: SpecConfig, a: argparse.Namespace, prompt: lis
     return seconds
 
 
-def run_ttft(a: argparse.Namespace) -> int:
+def run_ttft(a: argparse.Namespace, tp: TPGroup | None = None) -> int:
     import wmtp
 
-    model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend)
+    model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend, tp=tp)
     prompt = torch.randint(1, model.config.vocab_size, (a.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     warm = min(a.tokens, 2 * a.chunk + 1)
     rows = []
@@ -328,9 +340,10 @@ def run_ttft(a: argparse.Namespace) -> int:
     gdn = "flash-linear-attention chunked" if fla_available(torch.device("cuda")) else "PyTorch reference"
     result = {"kind": "ttft", "schema": 1, "meta": {**_meta(a, False), "weights": weights(model), "backend": a.backend,
                                                     "gdn_prefill": gdn}, "rows": rows}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {a.out}")
+    if tp is None or tp.rank == 0:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {a.out}")
     return 0
 
 
@@ -358,6 +371,8 @@ def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
                        help="comma-separated; mode:V<K> drafts over a pruned vocabulary of K tokens (cost only)")
         s.add_argument("-d", type=int, default=7, help="num_draft_tokens")
         add_engine_args(s)
+        s.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                       help="shard the model over N ranks, one process (and GPU) each; rank 0 reports")
         if name == "step":
             s.add_argument("--context", type=int, default=1_040_000, help="S, synthetic")
             s.add_argument("--iters", type=int, default=60)
@@ -400,4 +415,33 @@ def run(a: argparse.Namespace) -> int:
         from wmtp.bench.depth import run_depth_replay
 
         return run_depth_replay(a)
+    if a.tensor_parallel_size != 1:
+        return _run_ranks(a)
     return run_step(a) if a.bench == "step" else run_ttft(a)
+
+
+def _run_ranks(a: argparse.Namespace) -> int:
+    """The benchmark on every rank of a tensor-parallel group (each its own engine over its shard,
+    in lockstep); rank 0 measures the bandwidth once, prints and writes the results."""
+    from wmtp.engine.distributed import Ranks, check_tensor_parallel
+    from wmtp.errors import WmtpError
+
+    if getattr(a, "admission", False):  # each rank would size its pools from its own free memory
+        raise WmtpError("wmtp bench step --admission is not supported with --tensor-parallel-size > 1")
+    check_tensor_parallel(a.preset, a.tensor_parallel_size, a.device)
+    bw = step_bandwidth(torch.device(a.device)) if a.bench == "step" else None
+    return Ranks.shared(a.tensor_parallel_size, a.device).call(_rank_run, a, bw)
+
+
+def _rank_run(a: argparse.Namespace, bw: dict | None) -> int:
+    import contextlib
+    import copy
+    import io
+
+    from wmtp.engine.distributed import local_tp, rank_device
+
+    tp = local_tp()
+    a = copy.copy(a)
+    a.device = rank_device(a.device, tp.rank)
+    with contextlib.redirect_stdout(io.StringIO()) if tp.rank else contextlib.nullcontext():
+        return run_step(a, bw, tp) if a.bench == "step" else run_ttft(a, tp)

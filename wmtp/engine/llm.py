@@ -34,7 +34,10 @@ class LLM:
 
     ``backend="auto"`` picks the Triton kernels on a CUDA device (when triton is installed) and the
     PyTorch reference otherwise. ``model`` may also be a built ``TargetLM`` (its own device, dtype
-    and backend; no tokenizer)."""
+    and backend; no tokenizer). ``tensor_parallel_size=N`` shards the model over N ranks, one
+    process each (``device="cuda"``: rank r on cuda:r; ``"cpu"``: gloo), that this process starts and
+    drives (``wmtp.engine.distributed``); the pools (and ``kv_memory_bytes``) are then each rank's,
+    and ``close()`` frees them on every rank."""
 
     def __init__(
         self,
@@ -52,21 +55,32 @@ class LLM:
         backend: str = "auto",
         decode_graphs: str = "auto",
         overlap: bool = True,
+        tensor_parallel_size: int = 1,
     ) -> None:
         import wmtp
         from wmtp.models.backend import default_backend
 
-        if isinstance(model, TargetLM):  # a built model of any family
-            self.model, self.tokenizer = model, None
-        else:
-            backend = default_backend(device) if backend == "auto" else backend
-            self.model = wmtp.load_model(model, device=device, dtype=dtype, seed=seed, backend=backend)
-            self.tokenizer = TextTokenizer.for_model(model, self.model.config.vocab_size)
         eng = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size,
                            num_kv_pages=num_kv_pages, kv_memory_bytes=kv_memory_bytes, prefill_chunk=prefill_chunk,
                            decode_graphs=decode_graphs, overlap=overlap)
         self.spec = spec or SpecConfig()
-        self.engine = Engine(self.model, self.spec, eng)
+        if isinstance(model, TargetLM):  # a built model of any family
+            if tensor_parallel_size != 1:
+                raise WmtpError("tensor_parallel_size > 1 takes a checkpoint directory or preset name (each rank "
+                                "loads its own shard), not a built model")
+            self.model, self.tokenizer = model, None
+        else:
+            backend = default_backend(device) if backend == "auto" else backend
+            if tensor_parallel_size != 1:
+                from wmtp.engine.distributed import TPEngine
+
+                self.engine = TPEngine.start(tensor_parallel_size, model, self.spec, eng, device, dtype, seed, backend)
+                self.model = self.engine.model  # rank 0's shard
+            else:
+                self.model = wmtp.load_model(model, device=device, dtype=dtype, seed=seed, backend=backend)
+            self.tokenizer = TextTokenizer.for_model(model, self.model.config.vocab_size)
+        if tensor_parallel_size == 1:
+            self.engine = Engine(self.model, self.spec, eng)
 
     # ---- inputs --------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -129,4 +143,12 @@ class LLM:
         return self.engine.stats()
 
     def memory_report(self) -> dict[str, int]:
+        """Pool bytes (per rank under tensor parallelism: each holds its heads' KV and states)."""
         return self.engine.memory.bytes_report()
+
+    def close(self) -> None:
+        """Free the engine's pools on every tensor-parallel rank (the ranks stay up for the next
+        ``LLM`` of their size); a no-op in one process."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()

@@ -23,6 +23,7 @@ from wmtp.config import ModelConfig
 from wmtp.kernels.common import acc_dtype
 from wmtp.models.backend import Backend
 from wmtp.models.context import ForwardContext, PagedSlots, packed_windows
+from wmtp.models.parallel import TPGroup, vocab_lookup
 from wmtp.quant import QuantConfig
 
 
@@ -89,11 +90,21 @@ class TargetLM(nn.Module, ABC):
     # whether the engine may run this family's decode from static buffers (CUDA graphs): it needs
     # every op of an iteration on the device (``wmtp.engine.graphs``)
     static_decode: bool = False
+    # this rank's group when the model is one shard of a tensor-parallel model (``parallel.shard_``):
+    # ``config`` is then the shard's (head counts and intermediate widths divided; the vocabulary
+    # whole) and ``whole_config`` the model's (an annotation only: set by ``shard_``)
+    tp: TPGroup | None = None
+    whole_config: ModelConfig
 
     @property
     @abstractmethod
+    def embedding(self) -> nn.Embedding:
+        """The input embedding module (under tensor parallelism: its vocabulary rows)."""
+
+    @property
     def embed_weight(self) -> torch.Tensor:
         """The input embedding [vocab, hidden] (tied lm_heads share it)."""
+        return self.embedding.weight
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
@@ -123,7 +134,9 @@ class TargetLM(nn.Module, ABC):
 
     # ---- logits ---------------------------------------------------------------------------
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self._lm_head_weight())
+        """Logits [T, vocab] of the whole vocabulary (gathered over tensor-parallel ranks)."""
+        logits = torch.nn.functional.linear(hidden, self._lm_head_weight())
+        return logits if self.tp is None else self.tp.gather(logits)
 
     def draft_logits(self, hidden: torch.Tensor, head: DraftHead | None = None) -> torch.Tensor:
         """``compute_logits`` of MTP outputs, through the backend's linear (a 1-row draft step's
@@ -132,15 +145,19 @@ class TargetLM(nn.Module, ABC):
         pruned ``head`` (``draft_head``) only its rows are read; the other tokens' logits are -inf
         (a greedy draft is the argmax over the sub-vocabulary, a sampled draft's q zero outside it)."""
         if head is None:
-            return self.backend.linear(hidden, self._lm_head_weight())
+            logits = self.backend.linear(hidden, self._lm_head_weight())
+            return logits if self.tp is None else self.tp.gather(logits)
         small = self.backend.linear(hidden, head.weight)
         out = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
         return out.index_copy_(out.dim() - 1, head.ids, small)
 
     def draft_head(self, ids: list[int]) -> DraftHead:
-        """The lm_head rows of the token ``ids`` gathered into one contiguous weight (made once)."""
+        """The lm_head rows of the token ``ids`` gathered into one contiguous weight (made once;
+        whole on every tensor-parallel rank, so its logits need no gather)."""
         w = self._lm_head_weight()
         idx = torch.tensor(ids, dtype=torch.long, device=w.device)
+        if self.tp is not None:
+            return DraftHead(idx, vocab_lookup(self.tp, w, idx))
         return DraftHead(idx, w.index_select(0, idx).contiguous())
 
     def _lm_head_weight(self) -> torch.Tensor:

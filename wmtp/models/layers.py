@@ -19,6 +19,7 @@ from wmtp.config import ModelConfig
 from wmtp.kernels.common import SharedExpert
 from wmtp.models.backend import Backend
 from wmtp.models.context import ForwardContext
+from wmtp.models.parallel import VocabParallelEmbedding
 from wmtp.quant import QuantFormat, QuantWeight
 
 
@@ -105,12 +106,16 @@ class PackedLinear(Linear):
         return list(y.split([self.parts[n] for n in names[names.index(first) : names.index(last) + 1]], dim=-1))
 
 
-def embed_norm_cat(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, norm_e: RMSNorm,
+def embed_norm_cat(ids: torch.Tensor, embedding: nn.Embedding, hidden: torch.Tensor, norm_e: RMSNorm,
                    norm_h: RMSNorm) -> torch.Tensor:
-    """``cat(norm_e(embed[ids]), norm_h(hidden))`` (the MTP fc's input) as one backend op."""
+    """``cat(norm_e(embedding(ids)), norm_h(hidden))`` (the MTP fc's input) as one backend op; a
+    vocabulary-sharded embedding (tensor parallelism) gathers its rows first, then the norms run."""
     if (norm_e.eps, norm_e.offset) != (norm_h.eps, norm_h.offset):
         raise ValueError("embed_norm_cat: the two norms must share eps and the offset form")
-    return norm_e.backend.embed_norm_cat(ids, embed, hidden, norm_e.weight, norm_h.weight, norm_e.eps, norm_e.offset)
+    if isinstance(embedding, VocabParallelEmbedding):
+        return torch.cat([norm_e(embedding(ids)), norm_h(hidden)], dim=-1)
+    return norm_e.backend.embed_norm_cat(ids, embedding.weight, hidden, norm_e.weight, norm_h.weight, norm_e.eps,
+                                         norm_e.offset)
 
 
 def make_norm(cfg: ModelConfig, dim: int, backend: Backend) -> RMSNorm:

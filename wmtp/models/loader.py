@@ -27,6 +27,7 @@ from wmtp.models.base import TargetLM
 from wmtp.models.layers import Experts, GatedDeltaNet, Linear, PackedLinear, RMSNorm
 from wmtp.models.model import CausalLM
 from wmtp.models.nemotron_h import Mamba2Mixer, NemotronHCausalLM
+from wmtp.models.parallel import Split, TPGroup, check_shardable, param_splits, shard_, shard_config
 from wmtp.quant import QuantConfig, QuantFormat
 
 log = logging.getLogger("wmtp")
@@ -61,10 +62,14 @@ def _model_class(cfg: ModelConfig) -> type:
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype, backend: str = "torch",
-                quant: QuantConfig | None = None) -> TargetLM:
+                quant: QuantConfig | None = None, tp: TPGroup | None = None) -> TargetLM:
     """Allocate an uninitialised model directly on ``device`` in ``dtype`` (no CPU staging); with
     ``quant`` its linears and experts hold that format's tensors (those ``quant`` excludes stay in
-    ``dtype``)."""
+    ``dtype``); with ``tp`` only rank ``tp.rank``'s shard (``wmtp.models.parallel``)."""
+    whole = cfg
+    if tp is not None:
+        check_shardable(cfg, tp.size, quantized=quant is not None)
+        cfg = shard_config(cfg, tp.size)
     with torch.device("meta"):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -72,6 +77,8 @@ def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype
             model = _model_class(cfg)(cfg, backend)
             if quant is not None:
                 _quantize_modules(model, quant)
+            if tp is not None:
+                shard_(model, tp, whole)
         finally:
             torch.set_default_dtype(prev)
     model.to_empty(device=device)
@@ -234,36 +241,61 @@ def init_random_(model: TargetLM, seed: int = 0, std: float = 0.02) -> TargetLM:
     out_std = std / math.sqrt(2 * max(cfg.num_layers, 1))
     quantized = _quant_params(model)
     _init_quant_(model, gen, std, out_std)
+    draw = _Draws(model)
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         if leaf in ("A_log", "dt_bias") or name in quantized:
             continue  # set with their module (below, or quantized above)
         if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight", "experts.down_proj")):
-            p.normal_(0.0, out_std, generator=gen)
+            draw(name, lambda t: t.normal_(0.0, out_std, generator=gen))
         elif p.ndim >= 2:
-            p.normal_(0.0, std, generator=gen)
+            draw(name, lambda t: t.normal_(0.0, std, generator=gen))
         else:
             p.zero_()  # biases
-    for m in model.modules():
+    for mname, m in model.named_modules():
         if isinstance(m, RMSNorm):
             m.weight.fill_(0.0 if m.offset else 1.0)
         elif isinstance(m, GatedDeltaNet):
             m.norm.weight.fill_(1.0)
             m.dt_bias.fill_(1.0)
-            a = torch.empty(m.A_log.shape, device=device, dtype=torch.float32).uniform_(1.0, 16.0, generator=gen)
-            m.A_log.copy_(a.log())
+            draw(f"{mname}.A_log", lambda t: t.uniform_(1.0, 16.0, generator=gen).log(), torch.float32)
             k = m.conv1d.weight.shape[-1]
-            m.conv1d.weight.normal_(0.0, 1.0 / math.sqrt(k), generator=gen)
+            draw(f"{mname}.conv1d.weight", lambda t: t.normal_(0.0, 1.0 / math.sqrt(k), generator=gen))
         elif isinstance(m, Mamba2Mixer):  # as the reference: dt in [1e-3, 0.1] log-uniform, A in [1, 16], D = 1
             m.norm.weight.fill_(1.0)
             m.D.fill_(1.0)
-            dt = torch.empty(m.dt_bias.shape, device=device, dtype=torch.float32).uniform_(
-                math.log(1e-3), math.log(0.1), generator=gen).exp()
-            m.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1
-            a = torch.empty(m.A_log.shape, device=device, dtype=torch.float32).uniform_(1.0, 16.0, generator=gen)
-            m.A_log.copy_(a.log())
-            m.conv1d.weight.normal_(0.0, 1.0 / math.sqrt(m.conv1d.weight.shape[-1]), generator=gen)
+
+            def dt_bias(t: torch.Tensor) -> torch.Tensor:
+                dt = t.uniform_(math.log(1e-3), math.log(0.1), generator=gen).exp()
+                return dt + torch.log(-torch.expm1(-dt))  # softplus^-1
+
+            draw(f"{mname}.dt_bias", dt_bias, torch.float32)
+            draw(f"{mname}.A_log", lambda t: t.uniform_(1.0, 16.0, generator=gen).log(), torch.float32)
+            k = m.conv1d.weight.shape[-1]
+            draw(f"{mname}.conv1d.weight", lambda t: t.normal_(0.0, 1.0 / math.sqrt(k), generator=gen))
     return model
+
+
+class _Draws:
+    """``init_random_``'s random draws: ``draw(name, fill, dtype)`` sets parameter ``name`` to
+    ``fill(an empty tensor of the parameter's shape)``. A tensor-parallel shard draws the whole
+    model's tensor and keeps its own slice, so its weights equal the single-process model's (same
+    generator, same order); one whole tensor at a time is alive."""
+
+    def __init__(self, model: TargetLM) -> None:
+        self.params = dict(model.named_parameters())
+        self.tp = model.tp
+        self.splits: dict[str, Split] = {} if model.tp is None else param_splits(model)
+
+    def __call__(self, name: str, fill, dtype: torch.dtype | None = None) -> None:
+        p = self.params[name]
+        split = self.splits.get(name)
+        if split is None and dtype is None:
+            fill(p)  # in place
+            return
+        shape = p.shape if split is None else split.whole_shape(tuple(p.shape))
+        t = fill(torch.empty(shape, device=p.device, dtype=dtype or p.dtype))
+        p.copy_(t if split is None else split.take(t, self.tp.rank, self.tp.size))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,6 +439,7 @@ def load_weights(model: TargetLM, ckpt: Path, names: dict[str, Path]) -> None:
     targets = _targets(model, [n for n in names if n not in quant_names])
     whole: set[str] = _quant_params(model)  # parameters loaded as one tensor (quantized ones: by group)
     pieces: dict[str, set] = defaultdict(set)  # packed key -> pieces loaded ((expert, kind) or part)
+    splits = {} if model.tp is None else param_splits(model)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for n in targets:
         by_file[names[n]].append(n)
@@ -414,12 +447,15 @@ def load_weights(model: TargetLM, ckpt: Path, names: dict[str, Path]) -> None:
         with safe_open(f, "pt") as h:
             for n in ns:
                 t = targets[n]
-                shape = tuple(h.get_slice(n).get_shape())
-                if shape != tuple(t.view.shape):
-                    raise CheckpointError(
-                        f"{f.name}: tensor {n!r} has shape {list(shape)}, expected {list(t.view.shape)}"
-                    )
-                t.view.copy_(h.get_tensor(n).to(device=t.param.device, dtype=t.param.dtype))
+                piece = h.get_slice(n)
+                split = splits[t.key].within(t.index) if t.key in splits else None
+                want = tuple(t.view.shape) if split is None else split.whole_shape(tuple(t.view.shape))
+                shape = tuple(piece.get_shape())
+                if shape != want:
+                    raise CheckpointError(f"{f.name}: tensor {n!r} has shape {list(shape)}, expected {list(want)}")
+                # a tensor-parallel rank reads only its rows of the memory-mapped file
+                src = h.get_tensor(n) if split is None else split.take(piece, model.tp.rank, model.tp.size)
+                t.view.copy_(src.to(device=t.param.device, dtype=t.param.dtype))
                 if t.index:
                     pieces[t.key].add(t.piece)
                 else:
@@ -433,8 +469,10 @@ def load_weights(model: TargetLM, ckpt: Path, names: dict[str, Path]) -> None:
 
 
 def load_checkpoint(
-    path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None, backend: str = "torch"
+    path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None, backend: str = "torch",
+    tp: TPGroup | None = None,
 ) -> TargetLM:
+    """A checkpoint directory's model (with ``tp``: rank ``tp.rank``'s shard, reading only its rows)."""
     ckpt = Path(path)
     if not ckpt.is_dir():
         raise CheckpointError(f"{ckpt}: not a checkpoint directory")
@@ -446,7 +484,7 @@ def load_checkpoint(
     if cfg.num_nextn_predict_layers == 0 and n_mtp:
         cfg = cfg.replace(num_nextn_predict_layers=n_mtp)  # a head attached next to the checkpoint
     quant = QuantConfig.from_checkpoint(ckpt)
-    model = build_model(cfg, device, resolve_dtype(dtype, cfg.torch_dtype), backend, quant)
+    model = build_model(cfg, device, resolve_dtype(dtype, cfg.torch_dtype), backend, quant, tp)
     load_weights(model, ckpt, names)
     return model
 

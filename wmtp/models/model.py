@@ -42,13 +42,13 @@ class QwenMTPHead(nn.Module):
         )
         self.norm = make_norm(cfg, h, backend)
 
-    def fuse(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, idx: int) -> torch.Tensor:
-        """The decoder layer's input at each slot: fc(cat(norm(embed[ids]), norm(hidden)))."""
-        return self.fc(embed_norm_cat(ids, embed, hidden, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden))
+    def fuse(self, ids: torch.Tensor, embedding: nn.Embedding, hidden: torch.Tensor, idx: int) -> torch.Tensor:
+        """The decoder layer's input at each slot: fc(cat(norm(embedding(ids)), norm(hidden)))."""
+        return self.fc(embed_norm_cat(ids, embedding, hidden, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden))
 
-    def step(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, cos_sin, ctx: ForwardContext,
+    def step(self, ids: torch.Tensor, embedding: nn.Embedding, hidden: torch.Tensor, cos_sin, ctx: ForwardContext,
              idx: int) -> torch.Tensor:
-        return finish(self.norm, self.layers[idx](self.fuse(ids, embed, hidden, idx), cos_sin, ctx))
+        return finish(self.norm, self.layers[idx](self.fuse(ids, embedding, hidden, idx), cos_sin, ctx))
 
 
 class DeepSeekMTPLayer(DecoderLayer):
@@ -70,15 +70,15 @@ class DeepSeekMTPHead(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(DeepSeekMTPLayer(cfg, backend) for _ in range(cfg.num_nextn_predict_layers))
 
-    def fuse(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, idx: int) -> torch.Tensor:
+    def fuse(self, ids: torch.Tensor, embedding: nn.Embedding, hidden: torch.Tensor, idx: int) -> torch.Tensor:
         layer = self.layers[idx]
-        return layer.eh_proj(embed_norm_cat(ids, embed, hidden, layer.enorm, layer.hnorm))
+        return layer.eh_proj(embed_norm_cat(ids, embedding, hidden, layer.enorm, layer.hnorm))
 
-    def step(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, cos_sin, ctx: ForwardContext,
+    def step(self, ids: torch.Tensor, embedding: nn.Embedding, hidden: torch.Tensor, cos_sin, ctx: ForwardContext,
              idx: int) -> torch.Tensor:
         layer = self.layers[idx]
         return finish(layer.shared_head.norm,
-                      DecoderLayer.forward(layer, self.fuse(ids, embed, hidden, idx), cos_sin, ctx))
+                      DecoderLayer.forward(layer, self.fuse(ids, embedding, hidden, idx), cos_sin, ctx))
 
 
 def mtp_style(cfg: ModelConfig) -> str:
@@ -113,8 +113,8 @@ class CausalLM(TargetLM):
         return finish(self.model.norm, (h, residual))
 
     @property
-    def embed_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight
+    def embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
 
     def rope(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of the context's positions: the precomputed ``ctx.rope`` if set."""
@@ -127,14 +127,14 @@ class CausalLM(TargetLM):
         """``TargetLM.mtp_forward``, slot p at RoPE position p."""
         if self.mtp is None:
             raise ValueError("this model has no MTP head (num_nextn_predict_layers = 0)")
-        return self.mtp.step(input_ids, self.embed_weight, hidden, self.rope(ctx), ctx, layer_idx)
+        return self.mtp.step(input_ids, self.embedding, hidden, self.rope(ctx), ctx, layer_idx)
 
     @torch.no_grad()
     def mtp_write_kv(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, layer_idx: int = 0) -> None:
         """``TargetLM.mtp_write_kv``: the MTP layer's attention input, then its K/V."""
         assert self.mtp is not None
         layer = self.mtp.layers[layer_idx]
-        x = self.mtp.fuse(input_ids, self.embed_weight, hidden, layer_idx)
+        x = self.mtp.fuse(input_ids, self.embedding, hidden, layer_idx)
         layer.self_attn.write_kv(layer.input_layernorm(x), self.rope(ctx), ctx)
 
     # ---- cache views ----------------------------------------------------------------------

@@ -154,13 +154,13 @@ class NemotronHMTPHead(nn.Module):
             NemotronHMTPBlock(cfg, pattern[i % self.span], backend, i % self.span == 0, i % self.span == self.span - 1)
             for i in range(cfg.num_nextn_predict_layers * self.span))
 
-    def fuse(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, idx: int) -> torch.Tensor:
+    def fuse(self, ids: torch.Tensor, embedding: nn.Embedding, hidden: torch.Tensor, idx: int) -> torch.Tensor:
         first = self.layers[idx * self.span]
-        return first.eh_proj(embed_norm_cat(ids, embed, hidden, first.enorm, first.hnorm))
+        return first.eh_proj(embed_norm_cat(ids, embedding, hidden, first.enorm, first.hnorm))
 
-    def step(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
+    def step(self, ids: torch.Tensor, embedding: nn.Embedding, hidden: torch.Tensor, ctx: ForwardContext,
              idx: int) -> torch.Tensor:
-        out = self.fuse(ids, embed, hidden, idx), None
+        out = self.fuse(ids, embedding, hidden, idx), None
         blocks = self.layers[idx * self.span:(idx + 1) * self.span]
         for block in blocks:
             out = block(out[0], ctx, out[1])
@@ -185,8 +185,8 @@ class NemotronHCausalLM(TargetLM):
         self.mtp = NemotronHMTPHead(cfg, self.backend) if cfg.num_nextn_predict_layers else None
 
     @property
-    def embed_weight(self) -> torch.Tensor:
-        return self.backbone.embeddings.weight
+    def embedding(self) -> nn.Embedding:
+        return self.backbone.embeddings
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         out = self.backbone.embeddings(input_ids), None
@@ -199,7 +199,7 @@ class NemotronHCausalLM(TargetLM):
         """``TargetLM.mtp_forward`` through ``NemotronHMTPHead``."""
         if self.mtp is None:
             raise ValueError("this model has no MTP head (num_nextn_predict_layers = 0)")
-        return self.mtp.step(input_ids, self.embed_weight, hidden, ctx, layer_idx)
+        return self.mtp.step(input_ids, self.embedding, hidden, ctx, layer_idx)
 
     @torch.no_grad()
     def mtp_write_kv(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
@@ -208,7 +208,7 @@ class NemotronHCausalLM(TargetLM):
         (MLP / MoE; the config admits one attention block per step and no Mamba2), so they run on
         the slot's own input, then the attention block writes its K/V."""
         assert self.mtp is not None
-        out = self.mtp.fuse(input_ids, self.embed_weight, hidden, layer_idx), None
+        out = self.mtp.fuse(input_ids, self.embedding, hidden, layer_idx), None
         for block in self.mtp.layers[layer_idx * self.mtp.span:(layer_idx + 1) * self.mtp.span]:
             if block.block == "full_attention":
                 x = block.norm(out[0]) if out[1] is None else block.norm.add_forward(*out)[0]
