@@ -52,6 +52,9 @@ class LLM:
         backend: str = "auto",
         decode_graphs: str = "auto",
         overlap: bool = True,
+        prefix_cache: bool = False,
+        prefix_snapshot_interval: int = EngineConfig.prefix_snapshot_interval,
+        prefix_snapshots: int | None = None,
     ) -> None:
         import wmtp
         from wmtp.models.backend import default_backend
@@ -64,7 +67,8 @@ class LLM:
             self.tokenizer = TextTokenizer.for_model(model, self.model.config.vocab_size)
         eng = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size,
                            num_kv_pages=num_kv_pages, kv_memory_bytes=kv_memory_bytes, prefill_chunk=prefill_chunk,
-                           decode_graphs=decode_graphs, overlap=overlap)
+                           decode_graphs=decode_graphs, overlap=overlap, prefix_cache=prefix_cache,
+                           prefix_snapshot_interval=prefix_snapshot_interval, prefix_snapshots=prefix_snapshots)
         self.spec = spec or SpecConfig()
         self.engine = Engine(self.model, self.spec, eng)
 
