@@ -16,12 +16,17 @@ from tests.helpers import scramble_, tiny_model
 from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.engine.engine import Engine
 from wmtp.engine.memory import MemoryManager
+from wmtp.engine.prefix_cache import PrefixCache
 from wmtp.engine.sampling import SamplingParams
 from wmtp.errors import ConfigError
 
 SINK, W, PAGE, INTERVAL = 4, 16, 8, 4  # snapshots every 32 tokens; the window cuts at 64 (W < resume points)
 MODES = [("dense", True), ("native", True), ("windowed", True), ("windowed", False)]
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, 500) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +76,10 @@ def _forbid_writes_to_cached_pages(engine: Engine, monkeypatch: pytest.MonkeyPat
     backend is the shared model's: patched for this test only)."""
     backend, mem = engine.model.backend, engine.memory
     store = backend.store_kv
+    draft_storage = None if mem.draft_kv is None else mem.draft_kv.untyped_storage().data_ptr()
 
     def checked(k, v, k_cache, v_cache, slots):
-        draft = mem.draft_kv is not None and k_cache.untyped_storage().data_ptr() == mem.draft_kv.untyped_storage().data_ptr()
+        draft = k_cache.untyped_storage().data_ptr() == draft_storage
         nodes = engine.prefix._index.values()
         pages = {n.draft_page for n in nodes} - {None} if draft else {n.page for n in nodes}
         written = {int(s) // PAGE for s in slots}
@@ -91,8 +97,7 @@ def _scenario(engine: Engine) -> tuple[list[list[int]], list[tuple[int, int, tor
     reaching back to 116); E (seeded sampling) beside D. Returns every request's tokens, the
     draft's logits per (request, position) and the prompt tokens each took from the cache."""
     rng = random.Random(0)
-    doc = [rng.randrange(1, 500) for _ in range(90)]
-    ask = lambda n: [rng.randrange(1, 500) for _ in range(n)]  # noqa: E731
+    doc = _tokens(rng, 90)
     log, draft = [], engine._sample_draft
 
     def sample_draft(req, logits, pos):
@@ -100,17 +105,17 @@ def _scenario(engine: Engine) -> tuple[list[list[int]], list[tuple[int, int, tor
         return draft(req, logits, pos)
 
     engine._sample_draft = sample_draft
-    a = engine.add_request(doc + ask(30), GREEDY)
+    a = engine.add_request(doc + _tokens(rng, 30), GREEDY)
     for _ in range(3):
         engine.step()
-    ids = [a, engine.add_request(doc + ask(17), GREEDY)]
+    ids = [a, engine.add_request(doc + _tokens(rng, 17), GREEDY)]
     while engine.has_unfinished():
         engine.step()
-    ids.append(engine.add_request(doc[:70] + ask(3), SamplingParams(temperature=0.9, max_tokens=10, ignore_eos=True,
-                                                                    seed=3)))
-    ids.append(engine.add_request(engine.requests[a].tokens + ask(2), GREEDY))
-    ids.append(engine.add_request(doc[:50] + ask(40), SamplingParams(temperature=1.1, top_k=50, max_tokens=10,
-                                                                     ignore_eos=True, seed=4)))
+    warm = SamplingParams(temperature=0.9, max_tokens=10, ignore_eos=True, seed=3)
+    hot = SamplingParams(temperature=1.1, top_k=50, max_tokens=10, ignore_eos=True, seed=4)
+    ids.append(engine.add_request(doc[:70] + _tokens(rng, 3), warm))
+    ids.append(engine.add_request(engine.requests[a].tokens + _tokens(rng, 2), GREEDY))
+    ids.append(engine.add_request(doc[:50] + _tokens(rng, 40), hot))
     while engine.has_unfinished():
         engine.step()
     reqs = [engine.requests[i] for i in ids]
@@ -149,22 +154,21 @@ def test_lru_eviction_spares_held_pages_and_admission_counts_added_pages(models)
     model = models("tiny-llama")
     engine = _engine(model, "dense", True, True, max_model_len=64, max_num_seqs=2, num_kv_pages=12)
     rng = random.Random(1)
-    toks = lambda n: [rng.randrange(1, 500) for _ in range(n)]  # noqa: E731
-    x, y = toks(40), toks(40)
+    x, y = _tokens(rng, 40), _tokens(rng, 40)
     params = SamplingParams(max_tokens=4, ignore_eos=True)  # 40 + 4 tokens (+1 verify): 6 pages
     for prompt in (x, y):
         engine.add_request(prompt, params)
         while engine.has_unfinished():
             engine.step()
     assert engine.memory.pages.num_free == 2 and engine.prefix.stats()["cached_pages"] == 10
-    z = engine.add_request(x[:32] + toks(8), params)
+    z = engine.add_request(x[:32] + _tokens(rng, 8), params)
     engine.step()
     assert engine.requests[z].metrics.cached_tokens == 32 and engine.prefix.evicted_pages == 0
-    v = engine.add_request(toks(16), params)  # 21 tokens: 3 pages
+    v = engine.add_request(_tokens(rng, 16), params)  # 21 tokens: 3 pages
     engine.step()
     assert engine.requests[v].alloc is not None and engine.prefix.evicted_pages == 3
     assert len(engine.prefix._match(x + [1])) == 4 and len(engine.prefix._match(y)) == 3  # X's 5th, Y's 4th+5th
-    big = engine.add_request(toks(50), SamplingParams(max_tokens=10, ignore_eos=True))  # 8 pages
+    big = engine.add_request(_tokens(rng, 50), SamplingParams(max_tokens=10, ignore_eos=True))  # 8 pages
     engine.step()
     assert engine.requests[big].alloc is None  # 0 free + 3 evictable: it waits for Z and V
     while engine.has_unfinished():
@@ -221,6 +225,8 @@ def test_snapshots_are_counted_in_the_budget(models):
     dense = MemoryManager(models("tiny-llama").config, SpecConfig(mode="dense", num_draft_tokens=1),
                           EngineConfig(prefix_cache=True), torch.float32)
     assert dense.snapshot_bytes == 0 and dense.sizes.num_snapshots == 0  # KV pages alone resume it
+    none = MemoryManager(cfg, SpecConfig(), EngineConfig(prefix_cache=True, prefix_snapshots=0), torch.float32)
+    assert PrefixCache(dense, dense.eng).enabled and not PrefixCache(none, none.eng).enabled  # no resume: no cache
     default = MemoryManager(cfg, SpecConfig(), EngineConfig(max_num_seqs=3, prefix_cache=True), torch.float32)
     assert default.sizes.num_snapshots == 12
 

@@ -319,8 +319,10 @@ def _prefill_seconds(model, spec: SpecConfig, a: argparse.Namespace, prompts: li
 
 def repeat_prompt(prompt: list[int], suffix: int, vocab_size: int) -> list[int]:
     """``prompt`` with its last ``suffix`` tokens replaced by others (seeded; none equal to the one replaced)."""
+    from wmtp.errors import WmtpError
+
     if not 0 < suffix < len(prompt):
-        raise ValueError(f"--repeat-suffix={suffix} must be in [1, {len(prompt) - 1}] (the prompt has {len(prompt)} tokens)")
+        raise WmtpError(f"--repeat-suffix={suffix} must be in [1, {len(prompt) - 1}] (--tokens={len(prompt)})")
     gen = torch.Generator().manual_seed(1)
     tail = torch.tensor(prompt[-suffix:])
     other = (tail + torch.randint(1, vocab_size - 1, (suffix,), generator=gen)) % vocab_size

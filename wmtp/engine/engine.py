@@ -132,7 +132,7 @@ class Engine:
             self._finish(req, "abort")
 
     def stats(self) -> dict:
-        """Engine-wide metrics (DESIGN §6) plus the pools' bytes and current use."""
+        """Engine-wide metrics (DESIGN §6) plus the pools' bytes and current use and the prefix cache's counters."""
         return {**self.metrics.to_dict(), "memory_bytes": self.memory.bytes_report(), "memory_use": self.memory.usage(),
                 "prefix_cache": self.prefix.stats()}
 

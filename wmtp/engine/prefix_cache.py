@@ -67,14 +67,16 @@ class _Node:
 
 class PrefixCache:
     """The index, its LRU and the snapshot slots over one ``MemoryManager``'s pools (module
-    docstring). With ``EngineConfig.prefix_cache`` off it only forwards admission and release."""
+    docstring). With ``EngineConfig.prefix_cache`` off, or where a resume needs snapshots and
+    ``prefix_snapshots=0`` leaves none, it only forwards admission and release."""
 
     def __init__(self, memory: MemoryManager, eng: EngineConfig) -> None:
-        self.memory, self.enabled, self.page = memory, eng.prefix_cache, eng.page_size
+        self.memory, self.page = memory, eng.page_size
         self.interval = eng.prefix_snapshot_interval * eng.page_size  # tokens between periodic boundaries
         self.needs_snapshot = memory.snapshot_bytes > 0  # a resume restores more than KV pages
         # whether prefills end chunks at boundaries and take snapshots there
-        self.snapshots_on = self.enabled and memory.sizes.num_snapshots > 0
+        self.snapshots_on = eng.prefix_cache and memory.sizes.num_snapshots > 0
+        self.enabled = self.snapshots_on or (eng.prefix_cache and not self.needs_snapshot)
         self._index: dict[Key, _Node] = {}
         self._lru: OrderedDict[int, _Node] = OrderedDict()  # nodes with refs 0, least recently used first
         self._snapshot_lru: OrderedDict[int, _Node] = OrderedDict()  # nodes holding a snapshot, the same order
@@ -83,7 +85,8 @@ class PrefixCache:
         self.hit_requests = self.hit_tokens = self.evicted_pages = 0
 
     # ---- admission and release -----------------------------------------------------------------
-    def admit(self, req_id: int, prompt: list[int], total_tokens: int) -> tuple[Allocation, int, torch.Tensor | None] | None:
+    def admit(self, req_id: int, prompt: list[int],
+              total_tokens: int) -> tuple[Allocation, int, torch.Tensor | None] | None:
         """Reserve a request's memory, sharing the longest cached prefix it can resume from; returns
         (allocation, resume point P, pending hidden state h_{P-1} or None), or None when it does not
         fit now (nothing changed)."""
