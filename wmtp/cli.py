@@ -294,6 +294,8 @@ register("bench", "benchmarks: decode-step cost per mode, TTFT, and the sweeps (
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
+    from wmtp.engine.config import EngineConfig
+
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory")
     src.add_argument("--preset", help="preset name (random weights, the built-in small tokenizer)")
@@ -306,6 +308,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-pages", type=int, default=None, help="default: max_num_seqs full-length requests")
     p.add_argument("--kv-memory-gb", type=float, default=None, help="size the KV pools from a byte budget instead")
     p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not keep prompt pages for later requests with the same prefix")
+    p.add_argument("--prefix-snapshot-interval", type=int, default=EngineConfig.prefix_snapshot_interval,
+                   help="pages between recurrent-state / draft snapshots of a long prefill (resume points)")
+    p.add_argument("--prefix-snapshots", type=int, default=None, help="snapshot slots (default: 4 per sequence slot)")
     p.add_argument("--max-pending-requests", type=int, default=256, help="running + queued; beyond it: 429")
     p.add_argument("--chat-template", default=None, help="jinja file overriding the checkpoint's chat template")
     p.add_argument("--device", default="cpu")
@@ -315,6 +322,15 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _serve_engine_args(a: argparse.Namespace) -> dict:
+    """``serve``'s engine settings for ``LLM`` (prefix caching on unless ``--no-prefix-cache``)."""
+    kv_bytes = int(a.kv_memory_gb * 2**30) if a.kv_memory_gb is not None else None
+    return dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, page_size=a.page_size,
+                num_kv_pages=a.num_kv_pages, kv_memory_bytes=kv_bytes, prefill_chunk=a.prefill_chunk,
+                prefix_cache=not a.no_prefix_cache, prefix_snapshot_interval=a.prefix_snapshot_interval,
+                prefix_snapshots=a.prefix_snapshots, tensor_parallel_size=a.tensor_parallel_size)
 
 
 def serve(a: argparse.Namespace) -> int:
@@ -333,11 +349,7 @@ def serve(a: argparse.Namespace) -> int:
     if a.max_pending_requests < 1:
         raise WmtpError(f"--max-pending-requests={a.max_pending_requests} must be >= 1")
     spec = _spec(a)
-    kv_bytes = int(a.kv_memory_gb * 2**30) if a.kv_memory_gb is not None else None
-    llm = LLM(a.model or a.preset, spec=spec, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
-              max_num_seqs=a.max_num_seqs, page_size=a.page_size, num_kv_pages=a.num_kv_pages,
-              kv_memory_bytes=kv_bytes, prefill_chunk=a.prefill_chunk, seed=a.seed,
-              tensor_parallel_size=a.tensor_parallel_size)
+    llm = LLM(a.model or a.preset, spec=spec, device=a.device, dtype=a.dtype, seed=a.seed, **_serve_engine_args(a))
     template = Path(a.chat_template).read_text() if a.chat_template else find_chat_template(llm.tokenizer, a.model)
     name = a.served_model_name or (Path(a.model).resolve().name if a.model else a.preset)
     app = create_app(llm.engine, llm.tokenizer, name, chat_template=template,
@@ -345,7 +357,8 @@ def serve(a: argparse.Namespace) -> int:
     mem = llm.memory_report()
     print(f"serving {name!r} ({a.mode}, d={'auto<=' if spec.adaptive else ''}{spec.num_draft_tokens}) on http://{a.host}:{a.port}/v1 | "
           f"target KV {mem['target_kv'] / 2**20:.1f} MiB, draft {'ring' if spec.uses_ring else 'pool'} "
-          f"{(mem['draft_ring'] + mem['draft_pool']) / 2**20:.2f} MiB", flush=True)
+          f"{(mem['draft_ring'] + mem['draft_pool']) / 2**20:.2f} MiB | prefix cache "
+          f"{'off' if a.no_prefix_cache else 'on'} (snapshots {mem['prefix_snapshots'] / 2**20:.1f} MiB)", flush=True)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
     return 0
 

@@ -11,7 +11,9 @@ the same key count; the draft attention per forward, windowed vs native); and ad
 requests of S tokens each mode's pools really admit, then one step with all of them.
 
 ``ttft``: a REAL chunked prefill of an N-token prompt (random token ids), TTFT native vs windowed
-(whose draft prefill is sparsified, DESIGN §4).
+(whose draft prefill is sparsified, DESIGN §4). With ``--repeat-suffix K`` the engine caches
+prefixes (DESIGN §12) and a second prompt follows the first: the same N - K tokens, then K others
+(a second question about the same document); its TTFT is the cached one.
 """
 
 from __future__ import annotations
@@ -302,22 +304,41 @@ def run_step(a: argparse.Namespace, bw: dict | None = None, tp: TPGroup | None =
     return 0
 
 
-def _prefill_seconds(model, spec: SpecConfig, a: argparse.Namespace, prompt: list[int]) -> float:
-    """Wall time from adding the request to its first token (a real chunked prefill)."""
+def _prefill_seconds(model, spec: SpecConfig, a: argparse.Namespace, prompts: list[list[int]],
+                     prefix_cache: bool = False) -> list[tuple[float, int]]:
+    """Per prompt, one after another in one engine: (wall time from adding the request to its first
+    token, a real chunked prefill; prompt tokens it took from the prefix cache)."""
     from wmtp.engine.sampling import SamplingParams
 
-    eng = Engine(model, spec, EngineConfig(max_model_len=len(prompt) + 16, max_num_seqs=1, page_size=a.page_size,
-                                           prefill_chunk=a.chunk))
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    rid = eng.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
-    while eng.requests[rid].metrics.first_token_time is None:
-        eng.step()
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    eng = Engine(model, spec, EngineConfig(max_model_len=max(map(len, prompts)) + 16, max_num_seqs=1,
+                                           page_size=a.page_size, prefill_chunk=a.chunk, prefix_cache=prefix_cache,
+                                           prefix_snapshot_interval=a.snapshot_interval))
+    out = []
+    for prompt in prompts:
+        _sync(a.device)
+        t0 = time.perf_counter()
+        rid = eng.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        while eng.requests[rid].metrics.first_token_time is None:
+            eng.step()
+        _sync(a.device)
+        out.append((time.perf_counter() - t0, eng.requests[rid].metrics.cached_tokens))
+        while eng.has_unfinished():  # its pages go to the prefix cache when it finishes
+            eng.step()
     del eng
     release_pools(model)
-    return seconds
+    return out
+
+
+def repeat_prompt(prompt: list[int], suffix: int, vocab_size: int) -> list[int]:
+    """``prompt`` with its last ``suffix`` tokens replaced by others (seeded; none equal to the one replaced)."""
+    from wmtp.errors import WmtpError
+
+    if not 0 < suffix < len(prompt):
+        raise WmtpError(f"--repeat-suffix={suffix} must be in [1, {len(prompt) - 1}] (--tokens={len(prompt)})")
+    gen = torch.Generator().manual_seed(1)
+    tail = torch.tensor(prompt[-suffix:])
+    other = (tail + torch.randint(1, vocab_size - 1, (suffix,), generator=gen)) % vocab_size
+    return prompt[:-suffix] + other.tolist()
 
 
 def run_ttft(a: argparse.Namespace, tp: TPGroup | None = None) -> int:
@@ -331,10 +352,18 @@ def run_ttft(a: argparse.Namespace, tp: TPGroup | None = None) -> int:
         spec = _spec(mode, a.d, a.window, a.sink)
         # untimed first: Triton compiles and fla autotunes per shape class on first use, which
         # would otherwise land in whichever mode runs first
-        _prefill_seconds(model, spec, a, prompt[:warm])
-        ttft = _prefill_seconds(model, spec, a, prompt)
-        rows.append({"mode": mode, "tokens": a.tokens, "chunk": a.chunk, "ttft_s": ttft, "warmup_tokens": warm})
-        print(f"[{mode:8s}] TTFT of a {a.tokens}-token prompt: {ttft:.2f} s", flush=True)
+        _prefill_seconds(model, spec, a, [prompt[:warm]])
+        row = {"mode": mode, "tokens": a.tokens, "chunk": a.chunk, "warmup_tokens": warm}
+        if a.repeat_suffix:
+            (row["ttft_s"], _), (row["repeat_ttft_s"], row["repeat_cached_tokens"]) = _prefill_seconds(
+                model, spec, a, [prompt, repeat_prompt(prompt, a.repeat_suffix, model.config.vocab_size)], True)
+            row["repeat_suffix"] = a.repeat_suffix
+        else:
+            row["ttft_s"] = _prefill_seconds(model, spec, a, [prompt])[0][0]
+        rows.append(row)
+        repeat = (f"; again with another {a.repeat_suffix}-token suffix: {row['repeat_ttft_s']:.2f} s "
+                  f"({row['repeat_cached_tokens']} tokens cached)") if a.repeat_suffix else ""
+        print(f"[{mode:8s}] TTFT of a {a.tokens}-token prompt: {row['ttft_s']:.2f} s{repeat}", flush=True)
     from wmtp.kernels.gdn import fla_available
 
     gdn = "flash-linear-attention chunked" if fla_available(torch.device("cuda")) else "PyTorch reference"
@@ -389,6 +418,11 @@ def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
         else:
             s.add_argument("--tokens", type=int, default=131_072)
             s.add_argument("--chunk", type=int, default=8192)
+            s.add_argument("--repeat-suffix", type=int, default=0, metavar="K",
+                           help="then a second prompt: the first N - K tokens again and K others, with prefix "
+                                "caching on (ttft_s is then the first request's with the cache on)")
+            s.add_argument("--snapshot-interval", type=int, default=EngineConfig.prefix_snapshot_interval,
+                           help="--repeat-suffix: pages between prefix snapshots")
     from wmtp.bench.depth import add_args as add_depth_args
 
     add_depth_args(sub)

@@ -148,6 +148,17 @@ class EngineConfig:
     # Greedy static-path iterations: launch iteration i + 1 before reading iteration i's results, so
     # the GPU does not idle while the host emits tokens and relaunches (one iteration in flight).
     overlap: bool = True
+    # Prefix caching (DESIGN §12, ``wmtp.engine.prefix_cache``): full prompt pages stay in a
+    # content-addressed index, shared by later requests with the same prefix. What a resumed prefill
+    # needs besides KV (recurrent state, the draft's ring or last page, the last hidden state) is
+    # snapshotted every ``prefix_snapshot_interval`` pages and at the end of each prompt into
+    # ``prefix_snapshots`` slots (None: 4 per sequence slot), counted in the memory budget.
+    prefix_cache: bool = False
+    # 128 pages = 8192 tokens at page size 64: a multiple of the prefill chunks in use (512 in
+    # serve, 8192 in bench ttft), so snapshot boundaries cut no chunk short; a hit recomputes at most
+    # that many tokens past its snapshot.
+    prefix_snapshot_interval: int = 128
+    prefix_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "page_size", "prefill_chunk"):
@@ -160,3 +171,11 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.num_kv_pages={self.num_kv_pages} must be >= 1")
         if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:
             raise ConfigError(f"EngineConfig.kv_memory_bytes={self.kv_memory_bytes} must be >= 1")
+        if not isinstance(self.prefix_cache, bool):
+            raise ConfigError(f"EngineConfig.prefix_cache={self.prefix_cache!r} must be True or False")
+        if not isinstance(self.prefix_snapshot_interval, int) or self.prefix_snapshot_interval < 1:
+            raise ConfigError(f"EngineConfig.prefix_snapshot_interval={self.prefix_snapshot_interval!r} must be an "
+                              "int >= 1 (pages)")
+        snaps = self.prefix_snapshots
+        if snaps is not None and (not isinstance(snaps, int) or snaps < 0):
+            raise ConfigError(f"EngineConfig.prefix_snapshots={snaps!r} must be None or an int >= 0")

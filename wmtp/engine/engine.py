@@ -28,6 +28,7 @@ from wmtp.engine.depth import DepthController
 from wmtp.engine.graphs import BatchRow, DecodeGraphs
 from wmtp.engine.memory import Allocation, MemoryManager
 from wmtp.engine.metrics import EngineMetrics, RequestMetrics
+from wmtp.engine.prefix_cache import PrefixCache
 from wmtp.engine.sampling import SamplingParams, accept_greedy, accept_speculative, filtered_probs, sample
 from wmtp.errors import WmtpError
 from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
@@ -87,6 +88,7 @@ class Engine:
         self.device, self.dtype = p.device, p.dtype
         self.memory = MemoryManager(model.config, spec, eng, self.dtype)
         self.memory.bind(model, self.device)
+        self.prefix = PrefixCache(self.memory, eng)  # admission and release go through it, cache on or off
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
@@ -133,8 +135,9 @@ class Engine:
             self._finish(req, "abort")
 
     def stats(self) -> dict:
-        """Engine-wide metrics (DESIGN §6) plus the pools' bytes and current use."""
-        return {**self.metrics.to_dict(), "memory_bytes": self.memory.bytes_report(), "memory_use": self.memory.usage()}
+        """Engine-wide metrics (DESIGN §6) plus the pools' bytes and current use and the prefix cache's counters."""
+        return {**self.metrics.to_dict(), "memory_bytes": self.memory.bytes_report(), "memory_use": self.memory.usage(),
+                "prefix_cache": self.prefix.stats()}
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -145,7 +148,7 @@ class Engine:
         elif req in self.running:
             self.running.remove(req)
         if req.alloc is not None:
-            self.memory.release(req.id)
+            self.prefix.release(req.id)
             req.alloc = req.page_rows = None
         req.status, req.finish_reason = Status.FINISHED, reason
         req.metrics.finish_time = time.perf_counter()
@@ -182,10 +185,16 @@ class Engine:
         return [r for r in self.running if r.status == Status.DECODE]
 
     def _admit_waiting(self) -> None:
-        """Admit waiting requests in arrival order while the pools can hold their worst case."""
-        while self.waiting and self.memory.can_admit(len(self.waiting[0].prompt) + self.waiting[0].params.max_tokens):
-            req = self.waiting.popleft()
-            req.alloc = self.memory.admit(req.id, len(req.prompt) + req.params.max_tokens)
+        """Admit waiting requests in arrival order while the pools can hold their worst case. A
+        prefix-cache hit resumes the prefill at its snapshot with h of the position before it."""
+        while self.waiting:
+            req = self.waiting[0]
+            got = self.prefix.admit(req.id, req.prompt, len(req.prompt) + req.params.max_tokens)
+            if got is None:
+                break
+            self.waiting.popleft()
+            req.alloc, req.prefilled, req.pending_hidden = got
+            req.metrics.cached_tokens = req.prefilled
             req.metrics.memory_bytes = self.memory.allocation_bytes(req.alloc)
             # Pages are reserved for the worst case up front, so each request's block-table row is
             # built once here: no per-iteration host work that grows with the context.
@@ -224,7 +233,7 @@ class Engine:
             if budget == 0:
                 break
             s = req.prefilled
-            e = min(len(req.prompt), s + budget)
+            e = self.prefix.chunk_end(len(req.prompt), s, min(len(req.prompt), s + budget))
             chunks.append((req, s, e))
             budget -= e - s
         batch = [c[0] for c in chunks]
@@ -237,6 +246,7 @@ class Engine:
             req.prefilled = e
             if not self.spec.speculative:
                 req.pending_hidden = h[-1:]
+            self.prefix.record_chunk(req.id, req.prompt, e, req.pending_hidden)
         self._first_tokens([r for r in batch if r.prefilled == len(r.prompt)])
         return batch
 
@@ -267,7 +277,8 @@ class Engine:
         """Draft slots whose next token is in the prompt: [s-1, e-1) per chunk (h_{s-1} is held from
         the previous chunk, so the draft lags the target by one position). Full-attention requests
         run the MTP forward (one batched call); windowed ones are sparsified (DESIGN §4): only slots
-        some future query can read get K/V, and no attention runs here."""
+        some future query can read get K/V (a resumed request's too: ``PrefixCache.draft_runs``), and
+        no attention runs here."""
         full, sparse = [], []
         for (req, s, e), h in zip(chunks, parts):
             lo, hi = max(s - 1, 0), e - 1
@@ -279,7 +290,8 @@ class Engine:
             if window is None:
                 full.append((req, lo, hi, hid))
             else:
-                sparse += [(req, a, b, hid[a - lo : b - lo]) for a, b in window.ever_read_runs(lo, hi, len(req.prompt))]
+                sparse += [(req, a, b, hid[a - lo : b - lo]) for a, b in self.prefix.draft_runs(window, lo, hi,
+                                                                                               len(req.prompt))]
         for segs, write_only in ((full, False), (sparse, True)):
             if not segs:
                 continue

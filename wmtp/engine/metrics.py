@@ -70,6 +70,7 @@ class RequestMetrics:
     accepted: int = 0
     num_generated: int = 0
     memory_bytes: dict[str, int] = field(default_factory=dict)  # per pool, reserved at admission
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (its prefill started there)
 
     def __post_init__(self) -> None:
         self.hist = [0] * (self.gamma + 1)
@@ -110,6 +111,7 @@ class RequestMetrics:
             "accepted_draft_tokens": self.accepted,
             "generated_tokens": self.num_generated,
             "memory_bytes": dict(self.memory_bytes),
+            "cached_prompt_tokens": self.cached_tokens,
         }
 
 

@@ -1,8 +1,9 @@
 """Prometheus metrics for the server, in a registry of its own (several apps can live in one process).
 
 Updated from two sides: the engine thread records tokens, finished requests and a snapshot of the
-pools after every loop pass; HTTP answers are counted on the event loop. Scrapes read only the
-snapshot and the accumulated acceptance histogram, never the engine itself (it is not thread-safe).
+pools and the prefix cache's counters after every loop pass; HTTP answers are counted on the event
+loop. Scrapes read only the snapshots and the accumulated acceptance histogram, never the engine
+itself (it is not thread-safe).
 
 Acceptance (DESIGN §5) is accumulated over finished requests, aborted ones included: H[n] =
 iterations that accepted exactly n drafts; α_j and AL are computed from the sum at scrape time.
@@ -64,6 +65,7 @@ class ServerMetrics:
         self._positions = PositionCounts(self.gamma)
         self._proposed = self._accepted = 0
         self._snapshot: tuple[dict[str, int], int, int] = ({k: 0 for k, _, _ in POOLS.values()}, 0, 0)
+        self._prefix = engine.prefix.stats()
         r.register(_EngineCollector(self))
 
     def render(self) -> bytes:
@@ -71,8 +73,10 @@ class ServerMetrics:
 
     # ---- engine thread -------------------------------------------------------------------------
     def snapshot(self, engine: Engine) -> None:
-        """Copy pool usage and queue lengths (one atomic assignment: scrapes see a consistent set)."""
+        """Copy pool usage and queue lengths, and the prefix cache's counters (each one atomic
+        assignment: scrapes see a consistent set)."""
         self._snapshot = (dict(engine.memory.usage()), len(engine.running), len(engine.waiting))
+        self._prefix = engine.prefix.stats()
 
     def observe_finished(self, m: dict[str, Any], reason: str) -> None:
         """Record a finished request from its ``RequestMetrics.to_dict()``."""
@@ -96,6 +100,10 @@ class ServerMetrics:
         with self._lock:
             return list(self._hist), list(self._depths), self._positions.alphas(), self._proposed, self._accepted
 
+    def prefix_cache(self) -> dict[str, int]:
+        """The prefix cache's counters (``PrefixCache.stats()``) at the last snapshot."""
+        return self._prefix
+
     def usage(self) -> tuple[dict[str, int], int, int]:
         """(units in use per ``MemoryManager.usage()`` key, running requests, waiting requests)."""
         return self._snapshot
@@ -110,6 +118,20 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield from self._queues_and_pools()
         yield from self._acceptance()
+        yield from self._prefix_cache()
+
+    def _prefix_cache(self) -> Iterator[Metric]:
+        p = self.m.prefix_cache()
+        yield CounterMetricFamily("wmtp_prefix_cache_hit_requests", "requests whose prefill resumed from the prefix "
+                                  "cache", value=p["hit_requests"])
+        yield CounterMetricFamily("wmtp_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache (not "
+                                  "prefilled)", value=p["hit_tokens"])
+        yield GaugeMetricFamily("wmtp_prefix_cache_pages", "full target KV pages in the prefix cache (held by running "
+                                "requests or evictable)", value=p["cached_pages"])
+        yield CounterMetricFamily("wmtp_prefix_cache_evicted_pages", "prefix-cache pages evicted (LRU) for new "
+                                  "requests", value=p["evicted_pages"])
+        yield GaugeMetricFamily("wmtp_prefix_cache_snapshots", "recurrent-state / draft snapshots held for resuming",
+                                value=p["snapshots"])
 
     def _queues_and_pools(self) -> Iterator[Metric]:
         m = self.m
