@@ -83,13 +83,13 @@ def test_estimators_shrink_towards_their_priors():
 def test_iteration_times_calibrate_then_fit():
     t = IterationTimes(max_gamma=5)
     order = []
-    for _ in range(6):
+    for _ in range(12):
         g = t.calibration(batch=2)
         if g is None:
             break
         order.append(g)
         t.record(2, g, 10.0 + 2.0 * g)
-    assert order == [5, 5, 1, 1]  # γ_max, then 1; each first sample (capture, compilation) dropped
+    assert order == [5] * 4 + [1] * 4  # γ_max, then 1; each first sample (capture, compilation) dropped
     assert t.estimate(2) == pytest.approx([10.0 + 2.0 * g for g in range(6)])
     assert t.calibration(batch=3) == 5  # another batch size has its own table
     t.record(2, 3, 100.0)
@@ -101,7 +101,7 @@ def test_controller_follows_acceptance():
     """Measured costs of a draft step 10% of the verify: low acceptance → a shallow depth, high → deep."""
     def run(alpha: float) -> int:
         ctl = DepthController(max_gamma=7)
-        for g in (7, 7, 1, 1):
+        for g in (7,) * 4 + (1,) * 4:
             ctl.record(1, g, 10.0 + 1.0 * g)
         counts = PositionCounts(7)
         rng = random.Random(2)
@@ -110,9 +110,28 @@ def test_controller_follows_acceptance():
             while a < 7 and rng.random() < alpha:
                 a += 1
             counts.record(7, a)
-        return ctl.choose([counts], counts)
+        return ctl.best([counts], counts)
 
     assert run(0.05) == 0 and run(0.2) <= 1 and run(0.95) == 7
+
+
+def test_controller_probes_the_depths_it_does_not_choose():
+    """Every PROBE_EVERY-th choice is a neighbour of the best (above, then below; inward at a bound),
+    so a controller sitting at γ = 0 still learns that acceptance rose, and climbs."""
+    ctl = DepthController(max_gamma=7, probe_every=4)
+    for g in (7,) * 4 + (1,) * 4:
+        ctl.record(1, g, 10.0 + 3.0 * g)
+    counts = PositionCounts(7)
+    for _ in range(5):
+        counts.record(7, 0)  # nothing accepted so far: γ = 0 is best
+    chosen = []
+    for _ in range(40):
+        g = ctl.choose([counts], counts)
+        chosen.append(g)
+        if g:
+            counts.record(g, g)  # acceptance has risen: every draft of a probe is accepted
+    assert chosen[:3] == [0, 0, 0] and chosen[3] == 1  # the first probe: one above γ = 0
+    assert chosen[-4:] == [7, 7, 7, 6]  # the probes' evidence moved the best to γ_max; probes then go below
 
 
 def _auto_llm(preset: str, mode: str, ring: bool, d_max: int, batch: int, **spec) -> LLM:

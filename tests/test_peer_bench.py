@@ -79,9 +79,10 @@ def test_child_env_puts_the_cutedsl_packages_on_the_path_or_off_it(peer, tmp_pat
     assert "dsl_packages" not in off["PYTHONPATH"]
 
 
-def test_wmtp_half_on_the_host_and_merging(peer, tmp_path):
+def test_wmtp_half_on_the_host_and_merging(peer, tmp_path, monkeypatch):
     """The parent starts the wmtp child, which measures every planned row; a second call's rows of
     the same cells replace the first's; --merge combines results files; the report skips the kind."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the children beside other test workers: one thread each
     state = tmp_path / "state"
     base = ["--device", "cpu", "--preset", "tiny-qwen3.5-moe", "--contexts", "64,128", "--max-tokens", "4",
             "--batch", "2", "--batch-context", "32", "--batch-max-tokens", "24", "--max-model-len", "512",

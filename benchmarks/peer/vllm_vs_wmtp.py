@@ -392,6 +392,8 @@ def child_vllm(a: argparse.Namespace, mode: str) -> int:
     from vllm import LLM
 
     t0 = time.perf_counter()
+    # CuTe DSL parses sys.argv in the engine-core process (where `-d 7` reads as its `-diagnostic`)
+    sys.argv = sys.argv[:1]
     llm = LLM(**kw)
     startup = time.perf_counter() - t0
     resolved = {**vllm_resolved(llm.llm_engine.vllm_config), "startup_s": startup,

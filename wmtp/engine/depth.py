@@ -10,10 +10,14 @@ of the batch, Σ_b E_b[tokens | γ] / T(γ):
   (acceptance falls with depth: an unseen position is assumed as good as the last seen one, so
   the controller still tries it and learns). Choosing γ from the past only is what keeps the
   output exact: speculative sampling is lossless for any depth fixed before the drafts are seen.
-- T(γ): the engine's own measured iteration times for this batch size, the median of the most
-  recent warm samples per γ; depths not measured yet come from the affine latency model
-  T = c + γ·t_draft (DESIGN §6) fitted through the measured ones. Until two depths are measured
-  the controller calibrates (γ_max, then 1).
+- T(γ): the engine's own measured iteration times for this batch size (rounded up to a power of
+  two), the median of the most recent warm samples per γ; depths not measured yet come from the
+  affine latency model T = c + γ·t_draft (DESIGN §6) fitted through the measured ones. Until two depths are measured
+  the controller calibrates (γ_max, then 1, a few iterations each).
+- Exploration: an estimate the controller stops choosing would never change (at γ = 0 nothing is
+  learnt about acceptance; a depth whose one sample was slow would never be timed again), so every
+  ``PROBE_EVERY``-th iteration of a batch size runs one depth off the best, above and below in
+  turn: a bounded cost that keeps both tables current as the context and the acceptance drift.
 
 The batch takes one γ: the verify reads every weight once for the whole batch, so its cost is set
 by the widest request, and graphs are captured per (batch size, γ); a per-request mask would save
@@ -31,6 +35,8 @@ from wmtp.engine.metrics import PositionCounts
 PRIOR_STRENGTH = 2.0  # pseudo-trials of the prior per position: two real trials weigh as much
 FIRST_PRIOR = 0.5  # α_1 before any trial anywhere
 KEEP_SAMPLES = 16  # recent iteration times per (batch size, γ): the median follows a growing context
+CALIBRATION_SAMPLES = 3  # warm samples per calibration depth: a median that one slow iteration cannot move
+PROBE_EVERY = 32  # one iteration in this many runs a neighbouring depth (exploration)
 
 
 def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
@@ -71,22 +77,31 @@ class IterationTimes:
         self._samples: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=keep))
         self._seen: set[tuple[int, int]] = set()
 
+    @staticmethod
+    def bucket(batch: int) -> int:
+        """Batch sizes share a table up to the next power of two: a decode step's cost barely moves
+        within one, and a server whose batch changes every few iterations still calibrates once."""
+        return 1 << (batch - 1).bit_length()
+
     def record(self, batch: int, gamma: int, seconds: float) -> None:
-        key = (batch, gamma)
+        key = (self.bucket(batch), gamma)
         if key in self._seen:
             self._samples[key].append(seconds)
         self._seen.add(key)
 
     def measured(self, batch: int) -> dict[int, float]:
+        batch = self.bucket(batch)
         return {g: statistics.median(s) for (b, g), s in self._samples.items() if b == batch and s}
 
     def calibration(self, batch: int) -> int | None:
-        """The next depth to measure while fewer than two are (None once the model can be fitted)."""
-        m = self.measured(batch)
-        if len(m) >= 2:
+        """The next depth to measure while fewer than two have ``CALIBRATION_SAMPLES`` warm samples
+        (None once the model can be fitted)."""
+        batch = self.bucket(batch)
+        done = {g for (b, g), s in self._samples.items() if b == batch and len(s) >= CALIBRATION_SAMPLES}
+        if len(done) >= 2:
             return None
         for g in (self.max_gamma, 1 if self.max_gamma > 1 else 0):
-            if g not in m:
+            if g not in done:
                 return g
         return None
 
@@ -106,17 +121,33 @@ class IterationTimes:
 class DepthController:
     """Chooses each iteration's γ from the requests' acceptance and the measured times."""
 
-    def __init__(self, max_gamma: int) -> None:
+    def __init__(self, max_gamma: int, probe_every: int = PROBE_EVERY) -> None:
         self.max_gamma = max_gamma
         self.times = IterationTimes(max_gamma)
+        self.probe_every = probe_every
+        self._chosen: dict[int, int] = defaultdict(int)  # choices per batch-size bucket since calibration
+
+    def best(self, requests: Sequence[PositionCounts], pooled: PositionCounts) -> int:
+        """argmax_γ of the expected tokens per second, from the estimates as they stand."""
+        prior = pooled_alphas(pooled)
+        return best_depth([shrunk_alphas(c, prior) for c in requests], self.times.estimate(len(requests)))
 
     def choose(self, requests: Sequence[PositionCounts], pooled: PositionCounts) -> int:
+        """This iteration's γ: calibration first, then the best depth, a neighbour of it on every
+        ``probe_every``-th choice (above on odd probes, below on even; the other side at a bound)."""
         batch = len(requests)
         cal = self.times.calibration(batch)
         if cal is not None:
             return cal
-        prior = pooled_alphas(pooled)
-        return best_depth([shrunk_alphas(c, prior) for c in requests], self.times.estimate(batch))
+        best = self.best(requests, pooled)
+        key = IterationTimes.bucket(batch)
+        self._chosen[key] += 1
+        n = self._chosen[key]
+        if self.max_gamma == 0 or n % self.probe_every:
+            return best
+        step = 1 if (n // self.probe_every) % 2 else -1
+        probe = best + step
+        return probe if 0 <= probe <= self.max_gamma else best - step
 
     def record(self, batch: int, gamma: int, seconds: float) -> None:
         self.times.record(batch, gamma, seconds)
