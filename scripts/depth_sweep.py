@@ -87,29 +87,40 @@ def main() -> None:
                 runs[n].append(decode(model, snap, specs[n], a.gen, warm if n == "auto" else None))
         for n in names:
             first = runs[n][0]
-            rows.append({"task": task, "config": n, "tpot_s": statistics.median(x["tpot_s"] for x in runs[n]),
+            rows.append({"trace": task, "config": n, "tpot_s": statistics.median(x["tpot_s"] for x in runs[n]),
                          "tpot_rounds_s": [x["tpot_s"] for x in runs[n]], "al": acceptance_length(first["hist"]),
                          "gamma_histogram": [first["gammas"].count(g) for g in range(specs[n].gamma + 1)],
                          "equal_dense": all(x["tokens"] == dense["tokens"] for x in runs[n])})
             print(f"{task:16s} {n:5s} TPOT {rows[-1]['tpot_s'] * 1e3:7.1f} ms AL {rows[-1]['al']:.3f} "
                   f"γ {rows[-1]['gamma_histogram']} equal_dense={rows[-1]['equal_dense']}", flush=True)
         traces[task] = runs[f"d{TRACE_D}"][0]["runs"]
-    summary = []
-    for task in a.tasks:
-        mine = {r["config"]: r for r in rows if r["task"] == task}
+    write(rows, traces, a)
+
+
+def write(rows: list[dict], traces: dict[str, list[int]], a: argparse.Namespace) -> None:
+    """The results file (``kind: adaptive_depth``, wmtp/analysis/SCHEMA.md) and the trace file."""
+    import datetime
+
+    from wmtp.bench.step import hardware_name, revision
+
+    summary, names = [], list(configs())
+    for task in dict.fromkeys(r["trace"] for r in rows):
+        mine = {r["config"]: r for r in rows if r["trace"] == task}
         best = min((n for n in names if n != "auto"), key=lambda n: mine[n]["tpot_s"])
-        summary.append({"task": task, "best_fixed": best, "auto_over_best": mine["auto"]["tpot_s"] / mine[best]["tpot_s"],
+        summary.append({"trace": task, "best_fixed": best, "auto_over_best": mine["auto"]["tpot_s"] / mine[best]["tpot_s"],
                         "auto_over_d7": mine["auto"]["tpot_s"] / mine["d7"]["tpot_s"]})
         print(summary[-1], flush=True)
     what = (f"SmolLM2-135M + its MTP head, windowed W=512 sink=16, greedy, real acceptance: TPOT of auto (d_max "
             f"{max(FIXED)}; its controller and pooled acceptance carried from prompt to prompt after one untimed "
             f"calibration run, as in a serving engine) and of each fixed d, median over {a.rounds} rounds in "
-            f"rotated order, CPU fp32 ({torch.get_num_threads()} threads)")
-    Path(a.out).write_text(json.dumps({
-        "what": what, "prompts": f"{len(a.tasks)} chat-wrapped RULER prompts of {a.tokens} tokens (seed {a.seed}), "
-                                 f"{a.gen} tokens each with ignore_eos",
-        "command": f"PYTHONPATH=. python scripts/depth_sweep.py --gen {a.gen} --rounds {a.rounds}",
-        "rows": rows, "summary": summary}, indent=1) + "\n")
+            f"rotated order")
+    meta = {"hardware": hardware_name("cpu"), "model": "smollm2-135m + MTP head", "dtype": "float32",
+            "synthetic": False, "runs": 1, "command": f"PYTHONPATH=. python scripts/depth_sweep.py --gen {a.gen} "
+            f"--rounds {a.rounds}", "date": datetime.date.today().isoformat(), "commit": revision(), "what": what,
+            "prompts": f"{len(a.tasks)} chat-wrapped RULER prompts of {a.tokens} tokens (seed {a.seed}), {a.gen} "
+                       "tokens each with ignore_eos"}
+    Path(a.out).write_text(json.dumps({"kind": "adaptive_depth", "schema": 1, "meta": meta, "rows": rows,
+                                       "summary": summary}, indent=1) + "\n")
     Path(a.traces_out).write_text(json.dumps({
         "what": f"acceptance run lengths per iteration of the d={TRACE_D} runs of {a.out} (censored at gamma)",
         "gamma": TRACE_D - 1, "traces": traces}) + "\n")

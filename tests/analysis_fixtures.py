@@ -143,9 +143,35 @@ def _rows_ttft(rng):
     return [{"mode": m, "tokens": 131072, "chunk": 8192, "ttft_s": rng.uniform(5, 8)} for m in ("native", "windowed")]
 
 
+def _rows_peer(rng):
+    rows = []
+    for engine, modes in (("vllm", ("dense", "mtp")), ("wmtp", ("dense", "native", "windowed"))):
+        for m in modes:
+            d = 1 if m == "dense" else 7
+            t = _runs(rng, rng.uniform(3e-3, 1.2e-2))
+            rows.append({"engine": engine, "mode": m, "d": d, "S": 131072, "B": 1, "t_iter_s": t, "tpot_s": t,
+                         "ttft_s": _runs(rng, rng.uniform(3, 7)), "al": [1.0] * RUNS})
+            rows.append({"engine": engine, "mode": m, "d": d, "S": 131072, "B": 8, "t_iter_s": [4 * x for x in t],
+                         "system_tok_s": [2 / x for x in t], "per_user_tok_s": [0.25 / x for x in t], "al": [1.0] * RUNS})
+    return rows
+
+
+def _rows_adaptive_depth(rng):
+    rows = []
+    for trace, alpha in (("hard", 0.15), ("easy", 0.8)):
+        for d in range(2, 9):
+            al = sum(alpha**k for k in range(d))
+            rows.append({"config": f"d{d}", "trace": trace, "tpot_s": (10 + d) * 1e-3 / al, "al": al,
+                         "gamma_histogram": [0] * (d - 1) + [40]})
+        rows.append({"config": "auto", "trace": trace, "tpot_s": rng.uniform(0.9, 1.1) * 11e-3, "al": 1.2,
+                     "gamma_histogram": [3, 30, 2, 1, 0, 0, 0, 4]})
+    return rows
+
+
 BUILDERS = {"step": _rows_step, "ttft": _rows_ttft, "context_sweep": _rows_context, "depth_sweep": _rows_depth, "phases": _rows_phases,
             "verify_by_k": _rows_verify_by_k, "window_sweep": _rows_window, "batch_sweep": _rows_batch,
-            "memory": _rows_memory, "acceptance": _rows_acceptance, "probe": _rows_probe, "output_diff": _rows_diff}
+            "memory": _rows_memory, "acceptance": _rows_acceptance, "probe": _rows_probe, "output_diff": _rows_diff,
+            "peer": _rows_peer, "adaptive_depth": _rows_adaptive_depth}
 
 
 def write_fake_results(out: Path, kinds: list[str] | None = None, seed: int = 0) -> list[Path]:

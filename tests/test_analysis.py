@@ -270,14 +270,15 @@ def test_report_every_section(tmp_path):
     rep = build_report(tmp_path / "res", tmp_path / "out" / "REPORT.md")
     text = (tmp_path / "out" / "REPORT.md").read_text()
     for title in ("Per-step cost", "Time to first token", "windowing wedge", "Latency-model fit", "Phase decomposition", "matched acceptance",
-                  "Window-size sweep", "Pareto", "Memory", "Acceptance profiles", "Decision-invariance", "Greedy output diff"):
+                  "Window-size sweep", "Pareto", "Memory", "Acceptance profiles", "Decision-invariance", "Greedy output diff",
+                  "wmtp against vLLM", "vLLM mtp / wmtp windowed TPOT", "Adaptive draft depth"):
         assert title in text, title
     assert "nothing: every kind is present" in text and "not part of this report (no kind it renders): `other.json`" in text
     assert "FAKE (test data)" in text and "Synthetic context" in text
     names = {p.name for p in rep.pngs}
     assert names == {"context_wedge_fake_context_sweep.png", "latency_fit_fake_depth_sweep.png", "phases_fake_phases.png",
                      "verify_by_k_fake_verify_by_k.png", "pareto_fake_batch_sweep.png", "alpha_fake_acceptance.png",
-                     "window_fake_window_sweep.png"}
+                     "window_fake_window_sweep.png", "adaptive_depth_fake_adaptive_depth.png"}
     for p in rep.pngs:
         assert p.parent == tmp_path / "out" and p.read_bytes()[:8] == PNG_MAGIC and f"]({p.name})" in text
         img = mpimg.imread(p)
@@ -396,7 +397,7 @@ def test_report_single_run_has_no_intervals(tmp_path, monkeypatch):
     fx.write_fake_results(tmp_path)
     rep = build_report(tmp_path)
     text = (tmp_path / "REPORT.md").read_text()
-    assert not rep.warnings and len(rep.pngs) == 7
+    assert not rep.warnings and len(rep.pngs) == 8
     step_rows = [l for l in text.splitlines() if l.startswith("| native | 1048576 | 7 | 1 |")]
     assert step_rows and "±" not in step_rows[0]
 

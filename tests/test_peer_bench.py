@@ -112,7 +112,8 @@ def test_wmtp_half_on_the_host_and_merging(peer, tmp_path, monkeypatch):
                       "--state", str(tmp_path / "m")]) == 0
     m = json.loads((tmp_path / "m.json").read_text())
     assert len(m["rows"]) == len(a["rows"]) and m["meta"]["synthetic"] is True
-    from wmtp.analysis.report import load_results
+    from wmtp.analysis.report import build_report
 
-    files, ignored = load_results(tmp_path)
-    assert not files and "m.json" in ignored  # no renderer for this kind yet
+    build_report(tmp_path, tmp_path / "report" / "REPORT.md")
+    text = (tmp_path / "report" / "REPORT.md").read_text()
+    assert "## wmtp against vLLM" in text and "`m.json`" in text

@@ -19,6 +19,8 @@ and the report computes mean and 95% Student-t CIs itself. Kinds and their row f
 - ``probe``: task, S, sink, W, steps, flipped, agreement, margin_all, margin_flipped, z_far,
   readout_change                                                          (paper Tables 11–12)
 - ``output_diff``: mode_a, mode_b, prompt, n_diff, first_diff, len_a, len_b
+- ``peer``: engine, mode, d, S, B, t_iter_s[], al[] (+ ttft_s[], tpot_s[] at B = 1; system_tok_s[] above)
+- ``adaptive_depth``: config ("dN" | "auto"), trace, tpot_s, al, gamma_histogram
 
 Only sections whose kinds are present are rendered; the report lists the missing ones. PNGs are
 written next to the markdown file.
@@ -58,6 +60,8 @@ ROW_FIELDS: dict[str, tuple[str, ...]] = {
               "readout_change"),
     "output_diff": ("mode_a", "mode_b", "prompt", "n_diff", "first_diff", "len_a", "len_b"),
     "ttft": ("mode", "tokens", "ttft_s"),
+    "peer": ("engine", "mode", "d", "S", "B", "t_iter_s", "al"),
+    "adaptive_depth": ("config", "trace", "tpot_s", "al", "gamma_histogram"),
 }
 KIND_PURPOSE = {
     "step": "per-step cost vs the bytes floor",
@@ -72,6 +76,8 @@ KIND_PURPOSE = {
     "probe": "decision-invariance and attention-mass probe (paper Tables 11-12)",
     "output_diff": "greedy output diff dense / native / windowed (reviewers)",
     "ttft": "time to first token of a real chunked prefill",
+    "peer": "wmtp against vLLM on the same GPU and prompts",
+    "adaptive_depth": "TPOT of the adaptive draft depth against every fixed depth",
 }
 COLOURS = {"dense": "#7f7f7f", "native": "#d62728", "windowed": "#1f77b4"}
 
@@ -732,6 +738,82 @@ def section_output_diff(rep: Report, f: ResultFile) -> None:
     rep.table(["prompt"] + [f"{a} vs {b}" for a, b in pairs], [[p] + [cell(p, a, b) for a, b in pairs] for p in prompts])
 
 
+# peer pairs: (vLLM mode, wmtp mode) compared at the same S and B
+PEER_PAIRS = (("dense", "dense"), ("mtp", "native"), ("mtp", "windowed"))
+
+
+def _first(values: list | None) -> float | None:
+    return values[0] if values else None
+
+
+def section_peer(rep: Report, f: ResultFile) -> None:
+    """Per S: B = 1 TTFT / T_iter / TPOT and B > 1 system tok/s per engine and mode, then each
+    vLLM mode against the wmtp modes it corresponds to (AL beside every row: compare at equal AL)."""
+    _runs_check(rep, f, ("t_iter_s", "al"))
+    one = [r for r in f.rows if r["B"] == 1]
+    rep.table(["engine", "mode", "d", "S", "TTFT s", "T_iter ms", "TPOT ms", "AL"],
+              [[r["engine"], r["mode"], r["d"], r["S"], fmt(_first(r.get("ttft_s"))), fmt_ci(mean_ci(r["t_iter_s"]), 1e3),
+                fmt_ci(mean_ci(r["tpot_s"]), 1e3) if r.get("tpot_s") else "–", fmt_ci(mean_ci(r["al"]), digits=3)]
+               for r in one])
+    many = [r for r in f.rows if r["B"] > 1]
+    if many:
+        rep.table(["engine", "mode", "d", "S", "B", "system tok/s", "per-user tok/s", "T_iter ms", "AL"],
+                  [[r["engine"], r["mode"], r["d"], r["S"], r["B"], fmt_ci(mean_ci(r["system_tok_s"]), digits=1),
+                    fmt_ci(mean_ci(r["per_user_tok_s"]), digits=1), fmt_ci(mean_ci(r["t_iter_s"]), 1e3),
+                    fmt_ci(mean_ci(r["al"]), digits=3)] for r in many])
+    cells = {(r["engine"], r["mode"], r["S"], r["B"]): r for r in f.rows}
+    lines = []
+    for (S, B) in sorted({(r["S"], r["B"]) for r in f.rows}):
+        for vm, wm in PEER_PAIRS:
+            v, w = cells.get(("vllm", vm, S, B)), cells.get(("wmtp", wm, S, B))
+            if v is None or w is None:
+                continue
+            if B == 1 and v.get("tpot_s") and w.get("tpot_s"):
+                lines.append(f"- S = {S}, B = 1: vLLM {vm} / wmtp {wm} TPOT = "
+                             f"{mean_ci(v['tpot_s']).mean / mean_ci(w['tpot_s']).mean:.2f}")
+            elif B > 1:
+                lines.append(f"- S = {S}, B = {B}: wmtp {wm} / vLLM {vm} system tok/s = "
+                             f"{mean_ci(w['system_tok_s']).mean / mean_ci(v['system_tok_s']).mean:.2f}")
+    rep.add(*lines, "")
+
+
+def section_adaptive_depth(rep: Report, f: ResultFile) -> None:
+    """Per trace (workload): TPOT, AL and the depths run for every fixed d and for ``auto``; auto
+    over the best fixed depth and over d = 7; a plot of TPOT against d with auto's level."""
+    traces = list(dict.fromkeys(r["trace"] for r in f.rows))
+    by = {(r["trace"], r["config"]): r for r in f.rows}
+    configs = list(dict.fromkeys(r["config"] for r in f.rows))
+    rep.table(["trace", *configs, "best fixed", "auto / best", "auto / d7"],
+              [[t, *(fmt(by[t, c]["tpot_s"] * 1e3, 1) if (t, c) in by else "–" for c in configs),
+                *_auto_ratios(by, t, configs)] for t in traces])
+    rep.add("TPOT in ms. AL and the depths `auto` ran:", "")
+    rep.table(["trace", "AL fixed d (d = 2..)", "AL auto", "auto's γ histogram"],
+              [[t, " / ".join(fmt(by[t, c]["al"], 3) for c in configs if c != "auto" and (t, c) in by),
+                fmt(by[t, "auto"]["al"], 3) if (t, "auto") in by else "–",
+                by[t, "auto"]["gamma_histogram"] if (t, "auto") in by else "–"] for t in traces])
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for i, t in enumerate(traces):
+        ds = [int(c[1:]) for c in configs if c != "auto" and (t, c) in by]
+        line, = ax.plot(ds, [by[t, f"d{d}"]["tpot_s"] * 1e3 for d in ds], "o-", label=t)
+        if (t, "auto") in by:
+            ax.axhline(by[t, "auto"]["tpot_s"] * 1e3, color=line.get_color(), ls="--", lw=1)
+    ax.set_xlabel("fixed draft depth d (dashed: auto)")
+    ax.set_ylabel("TPOT ms")
+    ax.legend(fontsize=7)
+    rep.figure(fig, f"adaptive_depth_{f.slug}.png", f"TPOT per fixed depth and auto's (dashed) — {_short_meta(f)}")
+
+
+def _auto_ratios(by: dict, trace: str, configs: list[str]) -> list[str]:
+    fixed = [c for c in configs if c != "auto" and (trace, c) in by]
+    if (trace, "auto") not in by or not fixed:
+        return ["–", "–", "–"]
+    best = min(fixed, key=lambda c: by[trace, c]["tpot_s"])
+    auto = by[trace, "auto"]["tpot_s"]
+    d7 = fmt(auto / by[trace, "d7"]["tpot_s"], 3) if (trace, "d7") in by else "–"
+    return [best, fmt(auto / by[trace, best]["tpot_s"], 3), d7]
+
+
 SECTIONS: dict[str, tuple[str, Callable[[Report, ResultFile], None]]] = {
     "step": ("Per-step cost", section_step),
     "ttft": ("Time to first token", section_ttft),
@@ -745,6 +827,8 @@ SECTIONS: dict[str, tuple[str, Callable[[Report, ResultFile], None]]] = {
     "acceptance": ("Acceptance profiles", section_acceptance),
     "probe": ("Decision-invariance and attention-mass probe", section_probe),
     "output_diff": ("Greedy output diff", section_output_diff),
+    "peer": ("wmtp against vLLM", section_peer),
+    "adaptive_depth": ("Adaptive draft depth", section_adaptive_depth),
 }
 
 

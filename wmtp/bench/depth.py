@@ -117,7 +117,7 @@ def run_depth_replay(a: argparse.Namespace) -> int:
         specs.append(SpecConfig(mode=a.mode, num_draft_tokens="auto", max_draft_tokens=a.max_draft_tokens,
                                 window=a.window, sink=a.sink))
     rows = [row for spec in specs for row in replay(model, spec, traces, a)]
-    result = {"kind": "depth_replay", "schema": 1,
+    result = {"kind": "adaptive_depth", "schema": 1,
               "meta": {**_meta(a, True), "weights": weights(model), "backend": a.backend, "traces": a.traces,
                        "trace_gamma": gamma_rec, "decode_graphs": a.decode_graphs,
                        "what": "forced acceptance min(r_i, γ) replaying recorded run lengths r_i; a warm untimed pass "
