@@ -94,7 +94,7 @@ def main() -> None:
             print(f"{task:16s} {n:5s} TPOT {rows[-1]['tpot_s'] * 1e3:7.1f} ms AL {rows[-1]['al']:.3f} "
                   f"γ {rows[-1]['gamma_histogram']} equal_dense={rows[-1]['equal_dense']}", flush=True)
         traces[task] = runs[f"d{TRACE_D}"][0]["runs"]
-    write(rows, traces, a)
+        write(rows, traces, a)  # after every prompt: a run cut short keeps what it measured
 
 
 def write(rows: list[dict], traces: dict[str, list[int]], a: argparse.Namespace) -> None:

@@ -39,3 +39,28 @@ def forced_run(source: str, spec: SpecConfig, prompts: list[list[int]], accept: 
     while engine.has_unfinished():
         engine.step()
     return [engine.requests[r].tokens for r in rids]
+
+
+def adaptive_run(source: str, spec: SpecConfig, prompts: list[list[int]], accept: int | None = None,
+                 sharded: bool = True) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens of an adaptive-depth engine whose ranks time deep iterations very differently
+    (rank r's deep iterations read (1 + 4r)× slower), and the depths every rank chose; ``accept``
+    forces that many accepted drafts an iteration (every draft accepted: deep depths pay off, on
+    the ranks whose clocks allow it)."""
+    import torch.distributed as dist
+
+    engine = Engine(_load(source, sharded), spec, EngineConfig(max_model_len=96, max_num_seqs=len(prompts)))
+    engine.forced_accept = accept
+    rank = local_tp().rank if sharded else 0
+    record = engine.depth.record
+    engine.depth.record = lambda b, g, s: record(b, g, s * (1 + 4 * rank * (g > 1)))
+    rids = [engine.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    gammas = [list(engine.metrics.gammas)]
+    if sharded:
+        gammas = [None] * local_tp().size
+        from wmtp.engine import distributed
+
+        dist.all_gather_object(gammas, list(engine.metrics.gammas), group=distributed._control)
+    return [engine.requests[r].tokens for r in rids], gammas

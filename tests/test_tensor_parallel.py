@@ -101,6 +101,18 @@ def test_two_ranks_give_the_single_process_tokens(key, checkpoint, ranks):
                                                                                            sharded=False)
 
 
+def test_adaptive_depth_chooses_alike_on_every_rank(checkpoint, ranks):
+    """Each rank's clock differs; the depth controllers agree on the slowest rank's time, so every
+    rank runs the same γ each iteration (else their collectives would not match) and the tokens are
+    the single process's."""
+    source = checkpoint("qwen3-next")
+    spec = SpecConfig(mode="windowed", num_draft_tokens="auto", max_draft_tokens=4, window=8, sink=2)
+    tokens, gammas = ranks.call(on_ranks.adaptive_run, source, spec, PROMPTS)
+    assert tokens == on_ranks.adaptive_run(source, spec, PROMPTS, sharded=False)[0] and gammas[0] == gammas[1]
+    _, gammas = ranks.call(on_ranks.adaptive_run, source, spec, PROMPTS, 3)  # alone, rank 1 would stay shallow
+    assert gammas[0] == gammas[1] and max(gammas[0]) == 3
+
+
 def test_cli_generate_and_bench_step_on_two_ranks(checkpoint, ranks, tmp_path, monkeypatch, capsys):
     source = checkpoint("nemotron-h")
     argv = ["generate", "--model", source, "--prompt", "5 9 17 3", "--max-tokens", "6", "--mode", "windowed",

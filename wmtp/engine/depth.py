@@ -12,7 +12,8 @@ of the batch, Σ_b E_b[tokens | γ] / T(γ):
   output exact: speculative sampling is lossless for any depth fixed before the drafts are seen.
 - T(γ): the engine's own measured iteration times for this batch size (rounded up to a power of
   two), the median of the most recent warm samples per γ; depths not measured yet come from the
-  affine latency model T = c + γ·t_draft (DESIGN §6) fitted through the measured ones. Until two depths are measured
+  affine latency model T = c + γ·t_draft (DESIGN §6) fitted through the measured γ ≥ 1 (γ = 0,
+  unmeasured, costs T(1): it saves a verify token, not a draft forward). Until two depths are measured
   the controller calibrates (γ_max, then 1, a few iterations each).
 - Exploration: an estimate the controller stops choosing would never change (at γ = 0 nothing is
   learnt about acceptance; a depth whose one sample was slow would never be timed again), so every
@@ -106,16 +107,22 @@ class IterationTimes:
         return None
 
     def estimate(self, batch: int) -> list[float]:
-        """T(γ) for γ = 0..γ_max: measured medians where there are, the affine fit elsewhere (needs
-        two measured depths; floored at a tenth of the fastest measured, so a noisy slope cannot
-        predict a free iteration)."""
+        """T(γ) for γ = 0..γ_max: measured medians where there are, elsewhere the line through the
+        measured γ ≥ 1 (each adds one draft forward; floored at a tenth of the fastest measured, so
+        a noisy slope cannot predict a free iteration). An unmeasured γ = 0 is taken as T(1), not
+        the line's value: it verifies one token fewer, but the draft still extends over the emitted
+        token, so it saves no draft forward (γ = 1's d_1 came from the previous extend too)."""
         m = self.measured(batch)
-        gs = sorted(m)
-        g_mean = sum(gs) / len(gs)
-        t_mean = sum(m.values()) / len(gs)
-        slope = sum((g - g_mean) * (m[g] - t_mean) for g in gs) / sum((g - g_mean) ** 2 for g in gs)
+        pts = {g: t for g, t in m.items() if g >= 1} or m
+        g_mean = sum(pts) / len(pts)
+        t_mean = sum(pts.values()) / len(pts)
+        spread = sum((g - g_mean) ** 2 for g in pts)
+        slope = sum((g - g_mean) * (t - t_mean) for g, t in pts.items()) / spread if spread else 0.0
         floor = min(m.values()) / 10
-        return [m.get(g, max(t_mean + slope * (g - g_mean), floor)) for g in range(self.max_gamma + 1)]
+        est = [m.get(g, max(t_mean + slope * (g - g_mean), floor)) for g in range(self.max_gamma + 1)]
+        if 0 not in m and self.max_gamma >= 1:
+            est[0] = est[1]
+        return est
 
 
 class DepthController:
@@ -150,4 +157,10 @@ class DepthController:
         return probe if 0 <= probe <= self.max_gamma else best - step
 
     def record(self, batch: int, gamma: int, seconds: float) -> None:
-        self.times.record(batch, gamma, seconds)
+        self.times.record(batch, gamma, self.agree(seconds))
+
+    @staticmethod
+    def agree(seconds: float) -> float:
+        """The time every engine of a tensor-parallel group records (they must choose alike); one
+        process: its own measurement. ``wmtp.engine.distributed`` replaces it per rank."""
+        return seconds

@@ -336,6 +336,14 @@ def _build_engine(key: int, model: str, spec: SpecConfig, eng: EngineConfig, dev
     return engine
 
 
+def slowest_rank(seconds: float) -> float:
+    """An iteration's time as the slowest rank measured it, the same on every rank: the depth
+    controllers see identical tables and choose identical depths (their local clocks differ)."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_control)
+    return float(t)
+
+
 def _step(key: int, commands: list[tuple]) -> list[StepOutput]:
     """One engine step on every rank; the other ranks first apply rank 0's adds and aborts."""
     engine = _kept[key]

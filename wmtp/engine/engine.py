@@ -99,6 +99,10 @@ class Engine:
         # whatever the tokens. Never set by the generation API.
         self.forced_accept: int | None = None
         self.depth = DepthController(spec.gamma) if spec.adaptive else None  # num_draft_tokens="auto"
+        if self.depth is not None and model.tp is not None:  # a shard: every rank must choose each γ alike
+            from wmtp.engine.distributed import slowest_rank
+
+            self.depth.agree = slowest_rank
         # decode graphs per (batch size, γ), built on first use
         self.graphs: dict[tuple[int, int], DecodeGraphs] = {}
         self._graph_mode = self._resolve_graph_mode()
