@@ -116,15 +116,17 @@ def run_depth_replay(a: argparse.Namespace) -> int:
     if "auto" in a.depths.split(","):
         specs.append(SpecConfig(mode=a.mode, num_draft_tokens="auto", max_draft_tokens=a.max_draft_tokens,
                                 window=a.window, sink=a.sink))
-    rows = [row for spec in specs for row in replay(model, spec, traces, a)]
-    result = {"kind": "adaptive_depth", "schema": 1,
-              "meta": {**_meta(a, True), "weights": weights(model), "backend": a.backend, "traces": a.traces,
-                       "trace_gamma": gamma_rec, "decode_graphs": a.decode_graphs,
-                       "what": "forced acceptance min(r_i, γ) replaying recorded run lengths r_i; a warm untimed pass "
-                               "per trace, then the timed pass on a fresh request"},
-              "rows": rows, "summary": summarise(rows, a.reference)}
+    meta = {**_meta(a, True), "weights": weights(model), "backend": a.backend, "traces": a.traces,
+            "trace_gamma": gamma_rec, "decode_graphs": a.decode_graphs,
+            "what": "forced acceptance min(r_i, γ) replaying recorded run lengths r_i; a warm untimed pass per "
+                    "trace, then the timed pass on a fresh request"}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1))
+    rows: list[dict] = []
+    for spec in specs:  # written after every config: a run cut short keeps what it measured
+        rows += replay(model, spec, traces, a)
+        result = {"kind": "adaptive_depth", "schema": 1, "meta": meta, "rows": rows,
+                  "summary": summarise(rows, a.reference) if spec is specs[-1] else []}
+        Path(a.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {a.out}")
     return 0
 
