@@ -112,10 +112,10 @@ def run_depth_replay(a: argparse.Namespace) -> int:
         raise WmtpError(f"--depths {a.depths} / --max-draft-tokens {a.max_draft_tokens}: each d in [2, gamma+1="
                         f"{gamma_rec + 1}] (the traces are censored at gamma={gamma_rec})")
     model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend)
-    specs = [SpecConfig(mode=a.mode, num_draft_tokens=d, window=a.window, sink=a.sink) for d in depths]
-    if "auto" in a.depths.split(","):
-        specs.append(SpecConfig(mode=a.mode, num_draft_tokens="auto", max_draft_tokens=a.max_draft_tokens,
-                                window=a.window, sink=a.sink))
+    specs = [SpecConfig(mode=a.mode, num_draft_tokens="auto", max_draft_tokens=a.max_draft_tokens, window=a.window,
+                        sink=a.sink) if d == "auto" else
+             SpecConfig(mode=a.mode, num_draft_tokens=int(d), window=a.window, sink=a.sink)
+             for d in a.depths.split(",")]  # in the order given
     meta = {**_meta(a, True), "weights": weights(model), "backend": a.backend, "traces": a.traces,
             "trace_gamma": gamma_rec, "decode_graphs": a.decode_graphs,
             "what": "forced acceptance min(r_i, γ) replaying recorded run lengths r_i; a warm untimed pass per "
