@@ -263,3 +263,5 @@ def test_bench_depth_replay_on_the_host(tmp_path, capsys):
     assert {s["trace"] for s in doc["summary"]} == set(traces) and all("auto_over_d4" in s for s in doc["summary"])
     assert main(argv + ["--depths", "9"]) != 0  # d = 9 needs run lengths beyond the traces' γ = 3
     assert "censored at gamma=3" in capsys.readouterr().err
+    assert main(argv + ["--depths", "2,deep"]) != 0
+    assert "comma-separated ints" in capsys.readouterr().err

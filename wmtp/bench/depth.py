@@ -107,7 +107,10 @@ def run_depth_replay(a: argparse.Namespace) -> int:
     from wmtp.bench.step import _meta, weights
 
     traces, gamma_rec = load_traces(a.traces)
-    depths = [int(d) for d in a.depths.split(",") if d != "auto"]
+    tokens = a.depths.split(",")
+    if any(t != "auto" and not t.isdigit() for t in tokens):
+        raise WmtpError(f"--depths {a.depths}: comma-separated ints and/or 'auto'")
+    depths = [int(t) for t in tokens if t != "auto"]
     if any(d < 2 for d in depths) or max(depths, default=2) - 1 > gamma_rec or a.max_draft_tokens - 1 > gamma_rec:
         raise WmtpError(f"--depths {a.depths} / --max-draft-tokens {a.max_draft_tokens}: each d in [2, gamma+1="
                         f"{gamma_rec + 1}] (the traces are censored at gamma={gamma_rec})")
@@ -115,7 +118,7 @@ def run_depth_replay(a: argparse.Namespace) -> int:
     specs = [SpecConfig(mode=a.mode, num_draft_tokens="auto", max_draft_tokens=a.max_draft_tokens, window=a.window,
                         sink=a.sink) if d == "auto" else
              SpecConfig(mode=a.mode, num_draft_tokens=int(d), window=a.window, sink=a.sink)
-             for d in a.depths.split(",")]  # in the order given
+             for d in tokens]  # in the order given
     meta = {**_meta(a, True), "weights": weights(model), "backend": a.backend, "traces": a.traces,
             "trace_gamma": gamma_rec, "decode_graphs": a.decode_graphs,
             "what": "forced acceptance min(r_i, γ) replaying recorded run lengths r_i; a warm untimed pass per "
