@@ -91,6 +91,7 @@ def test_wmtp_half_on_the_host_and_merging(peer, tmp_path, monkeypatch):
     a = json.loads((tmp_path / "a.json").read_text())
     assert a["kind"] == "peer" and {k for k in ("hardware", "model", "dtype", "synthetic", "runs", "command",
                                                  "date")} <= set(a["meta"])
+    assert a["meta"]["commit"] == a["meta"]["engines"]["wmtp"]["modes"]["dense"]["resolved"]["commit"]
     cells = {(r["mode"], r["S"], r["B"]) for r in a["rows"]}
     assert cells == {(m, S, B) for m in ("dense", "windowed") for S, B in ((64, 1), (128, 1), (32, 2))}
     for r in a["rows"]:

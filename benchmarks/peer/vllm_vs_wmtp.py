@@ -744,6 +744,10 @@ def merge(parts: list[dict[str, Any]], a: argparse.Namespace, children: list[dic
         "engines": engines,
         "children": children,
     }
+    commits = sorted({m["resolved"]["commit"] for m in engines.get("wmtp", {}).get("modes", {}).values()
+                      if m.get("resolved", {}).get("commit")})
+    if commits:  # the wmtp code the rows ran (the children record it; vLLM's version is in engines)
+        meta["commit"] = ",".join(commits)
     try:
         import torch
 
