@@ -286,7 +286,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 def bench(a: argparse.Namespace) -> int:
     from wmtp.bench import step, sweeps
 
-    return step.run(a) if a.bench in ("step", "ttft", "depth-replay") else sweeps.run(a)
+    return step.run(a) if a.bench in ("step", "ttft", "depth-replay", "multiturn") else sweeps.run(a)
 
 
 register("bench", "benchmarks: decode-step cost per mode, TTFT, and the sweeps (synthetic context, forced "

@@ -21,6 +21,7 @@ and the report computes mean and 95% Student-t CIs itself. Kinds and their row f
 - ``output_diff``: mode_a, mode_b, prompt, n_diff, first_diff, len_a, len_b
 - ``peer``: engine, mode, d, S, B, t_iter_s[], al[] (+ ttft_s[], tpot_s[] at B = 1; system_tok_s[] above)
 - ``adaptive_depth``: config ("dN" | "auto"), trace, tpot_s, al, gamma_histogram
+- ``multiturn``: mode, prefix_cache, users, turns, doc_tokens, ttft_s[user][turn], mean_ttft_s_per_turn[]
 
 Only sections whose kinds are present are rendered; the report lists the missing ones. PNGs are
 written next to the markdown file.
@@ -62,6 +63,7 @@ ROW_FIELDS: dict[str, tuple[str, ...]] = {
     "ttft": ("mode", "tokens", "ttft_s"),
     "peer": ("engine", "mode", "d", "S", "B", "t_iter_s", "al"),
     "adaptive_depth": ("config", "trace", "tpot_s", "al", "gamma_histogram"),
+    "multiturn": ("mode", "prefix_cache", "users", "turns", "doc_tokens", "ttft_s", "mean_ttft_s_per_turn"),
 }
 KIND_PURPOSE = {
     "step": "per-step cost vs the bytes floor",
@@ -78,6 +80,7 @@ KIND_PURPOSE = {
     "ttft": "time to first token of a real chunked prefill",
     "peer": "wmtp against vLLM on the same GPU and prompts",
     "adaptive_depth": "TPOT of the adaptive draft depth against every fixed depth",
+    "multiturn": "TTFT per turn of conversations over one document through the server, prefix cache off / on",
 }
 COLOURS = {"dense": "#7f7f7f", "native": "#d62728", "windowed": "#1f77b4"}
 
@@ -303,6 +306,20 @@ def section_ttft(rep: Report, f: ResultFile) -> None:
     if "native" in by and "windowed" in by:
         rep.add(f"- native / windowed TTFT = {by['native'] / by['windowed']:.3f} (the windowed draft prefill writes "
                 "K/V only for the slots a later query can read, DESIGN §4)", "")
+
+
+def section_multiturn(rep: Report, f: ResultFile) -> None:
+    """Mean TTFT over the users per turn, with the prefix cache off and on (one run each)."""
+    turns = max(r["turns"] for r in f.rows)
+    rep.table(["mode", "prefix cache", "users", "document tokens", "cached tokens"]
+              + [f"turn {t + 1} s" for t in range(turns)],
+              [[r["mode"], "on" if r["prefix_cache"] else "off", r["users"], r["doc_tokens"], r.get("cached_tokens", "–")]
+               + [fmt(x, 3) for x in r["mean_ttft_s_per_turn"]] for r in f.rows])
+    by = {r["prefix_cache"]: r["mean_ttft_s_per_turn"][1:] for r in f.rows if r["turns"] > 1}
+    if True in by and False in by:
+        off, on = (sum(by[c]) / len(by[c]) for c in (False, True))
+        rep.add(f"- turns after the first: mean TTFT {off:.3f} s without the cache, {on:.3f} s with it "
+                f"({off / on:.1f}x)", "")
 
 
 def _floor_basis(bw: dict | None) -> str | None:
@@ -829,6 +846,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Report, ResultFile], None]]] = {
     "output_diff": ("Greedy output diff", section_output_diff),
     "peer": ("wmtp against vLLM", section_peer),
     "adaptive_depth": ("Adaptive draft depth", section_adaptive_depth),
+    "multiturn": ("Multi-turn serving with the prefix cache", section_multiturn),
 }
 
 

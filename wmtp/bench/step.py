@@ -390,7 +390,7 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
-    """``step``, ``ttft`` and ``depth-replay``; returns the sub-parsers so the sweeps can add theirs."""
+    """``step``, ``ttft``, ``depth-replay`` and ``multiturn``; returns the sub-parsers so the sweeps can add theirs."""
     sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name, help in (("step", "T_iter per mode at S tokens (synthetic context, forced acceptance)"),
                        ("ttft", "TTFT of a real chunked prefill, per mode")):
@@ -424,8 +424,10 @@ def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
             s.add_argument("--snapshot-interval", type=int, default=EngineConfig.prefix_snapshot_interval,
                            help="--repeat-suffix: pages between prefix snapshots")
     from wmtp.bench.depth import add_args as add_depth_args
+    from wmtp.bench.multiturn import add_args as add_multiturn_args
 
     add_depth_args(sub)
+    add_multiturn_args(sub)
     return sub
 
 
@@ -449,6 +451,10 @@ def run(a: argparse.Namespace) -> int:
         from wmtp.bench.depth import run_depth_replay
 
         return run_depth_replay(a)
+    if a.bench == "multiturn":
+        from wmtp.bench.multiturn import run_multiturn
+
+        return run_multiturn(a)
     if a.tensor_parallel_size != 1:
         return _run_ranks(a)
     return run_step(a) if a.bench == "step" else run_ttft(a)

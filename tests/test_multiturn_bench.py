@@ -1,0 +1,39 @@
+"""``wmtp bench multiturn`` end to end on the host: a tiny model behind the real server, users talking
+concurrently; the cache must serve later turns from earlier ones without changing a token."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from wmtp.cli import main as cli_main
+
+ARGS = ["bench", "multiturn", "--preset", "tiny-qwen3.5-moe", "--device", "cpu", "--doc-tokens", "300",
+        "--users", "2", "--turns", "3", "--question-tokens", "8", "--answer-tokens", "4", "--chunk", "64",
+        "--page-size", "16", "--window", "32", "--sink", "8", "-d", "3"]
+
+
+@pytest.mark.parametrize("mode", ["dense", "windowed"])
+def test_later_turns_hit_the_cache_and_answers_are_unchanged(mode, tmp_path):
+    out = tmp_path / "mt.json"
+    assert cli_main(ARGS + ["--mode", mode, "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["kind"] == "multiturn" and res["meta"]["command"].startswith("wmtp bench multiturn")
+    off, on = res["rows"]
+    assert (off["prefix_cache"], on["prefix_cache"]) == (False, True)
+    for r in (off, on):
+        assert len(r["ttft_s"]) == 2 and all(len(u) == 3 and min(u) > 0 for u in r["ttft_s"])
+        assert all(len(a) == 4 for u in r["answers"] for a in u)
+    assert off["answers"] == on["answers"] and off["cached_tokens"] == 0
+    # each user's turns 2 and 3 resume at least from the page-aligned document (16-token pages)
+    assert on["cached_tokens"] >= 2 * 2 * (300 // 16 * 16)
+    from wmtp.analysis.report import build_report
+
+    build_report(tmp_path, tmp_path / "r" / "REPORT.md")
+    assert "## Multi-turn serving with the prefix cache" in (tmp_path / "r" / "REPORT.md").read_text()
+
+
+def test_bad_sizes_are_refused_by_name(tmp_path, capsys):
+    assert cli_main(ARGS + ["--turns", "0", "--out", str(tmp_path / "x.json")]) != 0
+    assert "--turns" in capsys.readouterr().err and not (tmp_path / "x.json").exists()

@@ -1,0 +1,153 @@
+"""``wmtp bench multiturn``: TTFT per turn of multi-turn conversations over one long document, served by
+the OpenAI server (``/v1/completions``, streamed) to B users at once, with the prefix cache off and on.
+
+Every user's first turn sends the document and a question; turn t sends the document, that user's
+earlier questions and the server's answers, and a new question (random token ids, seeded by user and
+turn, identical in both runs). TTFT is the client's time from sending a request to its first streamed
+token. With the cache, a first turn reuses the document another user's request left (page granular,
+from the deepest recurrent-state snapshot), and turn t reuses turn t - 1's prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+from pathlib import Path
+
+from wmtp.engine.config import EngineConfig, SpecConfig
+from wmtp.errors import WmtpError
+
+
+def conversation_tokens(vocab: int, n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, vocab) for _ in range(n)]
+
+
+class _Served:
+    """The app on a free local port in a thread (uvicorn), stopped on exit."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise WmtpError("wmtp bench multiturn: the server did not start within 60 s")
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+async def _turn(client, base: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    """(seconds to the first streamed token, the answer's token ids)."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0, "return_token_ids": True}
+    t0 = time.perf_counter()
+    ttft, ids = None, []
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise WmtpError(f"wmtp bench multiturn: the server answered {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            got = json.loads(line[6:])["choices"][0].get("token_ids") or []
+            if got and ttft is None:
+                ttft = time.perf_counter() - t0
+            ids += got
+    if ttft is None or len(ids) != max_tokens:
+        raise WmtpError(f"wmtp bench multiturn: a turn streamed {len(ids)} of {max_tokens} tokens")
+    return ttft, ids
+
+
+async def _users(base: str, doc: list[int], a: argparse.Namespace, vocab: int) -> list[list[tuple[float, list[int]]]]:
+    """(TTFT, answer) [user][turn] after one untimed warm-up request (kernel compiles, first allocations)
+    whose tokens share nothing with the conversations; the users run concurrently, each turn after that
+    user's previous one."""
+    import httpx
+
+    async def user(u: int, client) -> list[tuple[float, list[int]]]:
+        history, out = list(doc), []
+        for t in range(a.turns):
+            history += conversation_tokens(vocab, a.question_tokens, 1000 * (u + 1) + t)
+            ttft, answer = await _turn(client, base, history, a.answer_tokens)
+            history += answer
+            out.append((ttft, answer))
+        return out
+
+    async with httpx.AsyncClient(timeout=None) as client:
+        await _turn(client, base, conversation_tokens(vocab, min(a.doc_tokens, 2 * a.chunk + 1), -1), a.answer_tokens)
+        return list(await asyncio.gather(*(user(u, client) for u in range(a.users))))
+
+
+def run_multiturn(a: argparse.Namespace) -> int:
+    import wmtp
+    from wmtp.bench.step import _meta, release_pools, weights
+    from wmtp.engine.engine import Engine
+    from wmtp.server.app import create_app
+
+    if a.turns < 1 or a.users < 1 or a.question_tokens < 1 or a.answer_tokens < 1:
+        raise WmtpError("--turns, --users, --question-tokens and --answer-tokens must each be >= 1")
+    model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend)
+    vocab = model.config.vocab_size
+    doc = conversation_tokens(vocab, a.doc_tokens, 0)
+    longest = a.doc_tokens + a.turns * (a.question_tokens + a.answer_tokens) + a.d + 8
+    spec = SpecConfig(mode=a.mode, num_draft_tokens=a.d, window=a.window, sink=a.sink) if a.mode != "dense" \
+        else SpecConfig(mode="dense")
+    rows = []
+    for cache in (False, True):
+        eng = Engine(model, spec, EngineConfig(max_model_len=longest, max_num_seqs=a.users, page_size=a.page_size,
+                                               prefill_chunk=a.chunk, prefix_cache=cache,
+                                               decode_graphs=a.decode_graphs))
+        with _Served(create_app(eng, None, "bench")) as base:
+            turns = asyncio.run(_users(base, doc, a, vocab))
+        ttft = [[x for x, _ in u] for u in turns]
+        per_turn = [sum(u[t] for u in ttft) / a.users for t in range(a.turns)]
+        rows.append({"mode": a.mode, "prefix_cache": cache, "users": a.users, "turns": a.turns,
+                     "doc_tokens": a.doc_tokens, "ttft_s": ttft, "mean_ttft_s_per_turn": per_turn,
+                     "answers": [[ids for _, ids in u] for u in turns],
+                     "cached_tokens": eng.prefix.stats()["hit_tokens"] if cache else 0})
+        print(f"[{a.mode} cache {'on ' if cache else 'off'}] mean TTFT per turn: "
+              + " ".join(f"{x:.3f}" for x in per_turn) + " s")
+        del eng
+        release_pools(model)
+    if rows[0]["answers"] != rows[1]["answers"]:  # greedy: the cache must not change a token
+        raise WmtpError("wmtp bench multiturn: the answers with the prefix cache differ from those without it")
+    meta = {**_meta(a, False), "weights": weights(model), "backend": a.backend,
+            "what": "client-side TTFT of streamed /v1/completions turns; B users concurrently, one document"}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"kind": "multiturn", "schema": 1, "meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {a.out}")
+    return 0
+
+
+def add_args(sub: argparse._SubParsersAction) -> None:
+    from wmtp.bench.step import add_engine_args
+
+    help = "TTFT per turn of multi-turn conversations over one document through the server, cache off / on"
+    s = sub.add_parser("multiturn", help=help, description=help)
+    s.add_argument("--preset", default="qwen3.6-35b-a3b")
+    s.add_argument("--mode", default="windowed", choices=["dense", "native", "windowed"])
+    s.add_argument("-d", type=int, default=7, help="num_draft_tokens")
+    s.add_argument("--doc-tokens", type=int, default=131_072)
+    s.add_argument("--users", type=int, default=4)
+    s.add_argument("--turns", type=int, default=8)
+    s.add_argument("--question-tokens", type=int, default=64)
+    s.add_argument("--answer-tokens", type=int, default=32)
+    s.add_argument("--chunk", type=int, default=8192)
+    add_engine_args(s)
+
