@@ -168,10 +168,18 @@ def _rows_adaptive_depth(rng):
     return rows
 
 
+def _rows_multiturn(rng):
+    return [{"mode": "windowed", "prefix_cache": cache, "users": 4, "turns": 3, "doc_tokens": 131072,
+             "ttft_s": [[rng.uniform(0.9, 1.1) * (6.0 if t == 0 or not cache else 0.6) for t in range(3)] for _ in range(4)],
+             "mean_ttft_s_per_turn": [6.0] + [0.6 if cache else 6.0] * 2, "cached_tokens": 786432 if cache else 0}
+            for cache in (False, True)]
+
+
 BUILDERS = {"step": _rows_step, "ttft": _rows_ttft, "context_sweep": _rows_context, "depth_sweep": _rows_depth, "phases": _rows_phases,
             "verify_by_k": _rows_verify_by_k, "window_sweep": _rows_window, "batch_sweep": _rows_batch,
             "memory": _rows_memory, "acceptance": _rows_acceptance, "probe": _rows_probe, "output_diff": _rows_diff,
-            "peer": _rows_peer, "adaptive_depth": _rows_adaptive_depth}
+            "peer": _rows_peer, "adaptive_depth": _rows_adaptive_depth,
+            "multiturn": _rows_multiturn}
 
 
 def write_fake_results(out: Path, kinds: list[str] | None = None, seed: int = 0) -> list[Path]:
