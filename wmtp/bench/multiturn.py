@@ -19,7 +19,8 @@ import threading
 import time
 from pathlib import Path
 
-from wmtp.engine.config import EngineConfig, SpecConfig
+from wmtp.bench.step import _spec
+from wmtp.engine.config import EngineConfig
 from wmtp.errors import WmtpError
 
 
@@ -106,8 +107,7 @@ def run_multiturn(a: argparse.Namespace) -> int:
     vocab = model.config.vocab_size
     doc = conversation_tokens(vocab, a.doc_tokens, 0)
     longest = a.doc_tokens + a.turns * (a.question_tokens + a.answer_tokens) + a.d + 8
-    spec = SpecConfig(mode=a.mode, num_draft_tokens=a.d, window=a.window, sink=a.sink) if a.mode != "dense" \
-        else SpecConfig(mode="dense")
+    spec = _spec(a.mode, a.d, a.window, a.sink)
     rows = []
     for cache in (False, True):
         eng = Engine(model, spec, EngineConfig(max_model_len=longest, max_num_seqs=a.users, page_size=a.page_size,
