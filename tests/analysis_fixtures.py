@@ -175,11 +175,16 @@ def _rows_multiturn(rng):
             for cache in (False, True)]
 
 
+def _rows_kv_logits(rng):
+    return [{"model": "tiny-llama", "scales": scales, "tokens": 512, "text": "random ids", "max_abs": rng.uniform(0.01, 0.02),
+             "mean_abs": 3e-4, "logit_span": 2.3, "argmax_changed": 1} for scales in ("1.0", "calibrated")]
+
+
 BUILDERS = {"step": _rows_step, "ttft": _rows_ttft, "context_sweep": _rows_context, "depth_sweep": _rows_depth, "phases": _rows_phases,
             "verify_by_k": _rows_verify_by_k, "window_sweep": _rows_window, "batch_sweep": _rows_batch,
             "memory": _rows_memory, "acceptance": _rows_acceptance, "probe": _rows_probe, "output_diff": _rows_diff,
             "peer": _rows_peer, "adaptive_depth": _rows_adaptive_depth,
-            "multiturn": _rows_multiturn}
+            "multiturn": _rows_multiturn, "kv_logits": _rows_kv_logits}
 
 
 def write_fake_results(out: Path, kinds: list[str] | None = None, seed: int = 0) -> list[Path]:

@@ -272,7 +272,8 @@ def test_report_every_section(tmp_path):
     for title in ("Per-step cost", "Time to first token", "windowing wedge", "Latency-model fit", "Phase decomposition", "matched acceptance",
                   "Window-size sweep", "Pareto", "Memory", "Acceptance profiles", "Decision-invariance", "Greedy output diff",
                   "wmtp against vLLM", "vLLM mtp / wmtp windowed TPOT", "Adaptive draft depth",
-                  "Multi-turn serving with the prefix cache", "6.000 s without the cache, 0.600 s with it (10.0x)"):
+                  "Multi-turn serving with the prefix cache", "6.000 s without the cache, 0.600 s with it (10.0x)",
+                  "fp8 KV cache: logits", "1 / 512"):
         assert title in text, title
     assert "nothing: every kind is present" in text and "not part of this report (no kind it renders): `other.json`" in text
     assert "FAKE (test data)" in text and "Synthetic context" in text

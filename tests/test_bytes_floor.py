@@ -78,10 +78,16 @@ def test_bench_step_runs_nemotron_h_on_the_host(tmp_path, monkeypatch):
     monkeypatch.setattr(floor, "HOST_GIB", 1 / 256)
     out = tmp_path / "step.json"
     argv = ["bench", "step", "--device", "cpu", "--preset", "tiny-nemotron-h", "--context", "40", "-d", "2",
-            "--iters", "2", "--warmup", "1", "--modes", "windowed", "--window", "16", "--sink", "4", "--out", str(out)]
+            "--iters", "2", "--warmup", "1", "--modes", "windowed,windowed:kv-fp8", "--window", "16", "--sink", "4",
+            "--out", str(out)]
     assert main(argv) == 0
     result = json.loads(out.read_text())
-    (row,) = result["rows"]
+    row, fp8 = result["rows"]
+    # the fp8 KV twin: the same step with a quarter of the fp32 KV bytes, its speed-up in the summary
+    assert fp8["mode"] == "windowed:kv-fp8" and fp8["bytes"]["draft_kv"] * 4 == row["bytes"]["draft_kv"]
+    assert fp8["bytes"]["target_kv"] * 4 == row["bytes"]["target_kv"] > 0
+    assert fp8["pool_bytes"]["target_kv"] * 4 == row["pool_bytes"]["target_kv"]
+    assert result["summary"]["kv_fp8_speedup"]["windowed"] > 0
     assert result["meta"]["backend"] == "torch" and result["meta"]["dtype"] == "float32"
     assert row["floor_bytes"] == sum(v for k, v in row["bytes"].items() if k != "total") > 0
     assert row["bytes"]["draft_kv"] == (4 + 16) * 2 * 2 * 16 * 4  # γ = 1 forward over sink + W ring slots

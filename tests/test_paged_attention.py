@@ -19,6 +19,7 @@ from wmtp.kernels.paged_attention import (  # noqa: E402
     MERGE_MAX_BLOCK_S, PREFILL_MIN_Q, AttentionMeta, paged_attention, store_kv)
 from wmtp.models.backend import TorchBackend  # noqa: E402
 from wmtp.models.context import ForwardContext, PagedSlots, RingSlots  # noqa: E402
+from wmtp.quant import quantize_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -52,10 +53,18 @@ def _case(seed: int, heads: int, kv_heads: int, dim: int, q_lens: list[int], sta
     return q, k, v, k_cache, v_cache, ctx
 
 
-def _compare(case, splits=None, atol=2e-5, gate=None, **launch):
+def _fp8(case, kv_scale):
+    """``case`` with fp8 caches holding its random K / V times 300 quantized with ``kv_scale``, the
+    new rows k, v times 300 too (many saturate: |x| / scale > 448) and q / 300 (logits as before)."""
+    q, k, v, k_cache, v_cache, ctx = case
+    k_cache, v_cache = (quantize_kv(c * 300, s, torch.float8_e4m3fn) for c, s in zip((k_cache, v_cache), kv_scale))
+    return q / 300, k * 300, v * 300, k_cache, v_cache, ctx
+
+
+def _compare(case, splits=None, atol=2e-5, gate=None, kv_scale=(1.0, 1.0), **launch):
     q, k, v, k_cache, v_cache, ctx = case
     scale = q.shape[-1] ** -0.5
-    want = TorchBackend().attention(q, k, v, k_cache, v_cache, ctx, scale, gate)  # also writes k, v
+    want = TorchBackend().attention(q, k, v, k_cache, v_cache, ctx, scale, gate, kv_scale)  # also writes k, v
     if gate is not None:
         launch["gate"] = gate.to(DEVICE)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
@@ -65,7 +74,8 @@ def _compare(case, splits=None, atol=2e-5, gate=None, **launch):
     else:
         ctx.kv_slots = PagedSlots(dev(ctx.kv_slots.block_table), ctx.kv_slots.page_size)
     meta = AttentionMeta.from_context(ctx, torch.device(DEVICE))
-    got = paged_attention(dev(q), dev(k_cache), dev(v_cache), meta, scale, num_splits=splits, **launch)
+    got = paged_attention(dev(q), dev(k_cache), dev(v_cache), meta, scale, num_splits=splits, kv_scale=kv_scale,
+                          **launch)
     err = (got.float().cpu() - want.float()).abs().max().item()
     assert err < atol, f"max |triton - torch| = {err}"
     return err
@@ -223,6 +233,55 @@ def test_store_kv_matches_index_put(dtype):
         store_kv(k, v, *caches, slots[:3])
 
 
+FP8_SCALES = (0.37, 1.6)  # per-layer (k, v) scales, neither a power of two
+
+
+@pytest.mark.parametrize("path", ["paged", "contiguous", "ring", "prefill"])
+def test_fp8_kv_cache(path):
+    """fp8 e4m3 K / V widened in registers with the scales applied (k's folded into the softmax
+    scale, v's into the output) against the twin's ``code * scale``: decode / verify over scattered
+    pages (the general loop, with splits), whole 64-key tiles (the contiguous path), the windowed
+    draft over its ring, and a prefill chunk. Outputs are mixes of values up to ~700: fp32 rounding
+    of ~1e-7 relative."""
+    win = DraftWindow(sink=4, window=16)
+    case = {
+        "paged": lambda: _case(1, 6, 2, 16, q_lens=[1, 5, 3], starts=[40, 7, 90], windows=[None] * 3, ring=False),
+        "contiguous": lambda: _case(4, 8, 2, 32, q_lens=[7, 1], starts=[150, 97], windows=[None] * 2, ring=False,
+                                    page=64),
+        "ring": lambda: _case(3, 4, 2, 16, q_lens=[1, 4], starts=[60, 33], windows=[win] * 2, ring=True),
+        "prefill": lambda: _case(2, 4, 2, 16, q_lens=[PREFILL_MIN_Q + 6, 3], starts=[30, 9], windows=[None] * 2,
+                                 ring=False),
+    }[path]()
+    for splits in (1, 3):
+        c = _fp8(case, FP8_SCALES)
+        _compare(c, splits, atol=5e-4, kv_scale=FP8_SCALES, **({"block_n": 64} if path == "contiguous" else {}))
+
+
+def test_store_kv_fp8_matches_the_twin():
+    """Into fp8 caches, the kernel writes what ``quant.quantize_kv`` does: times 1 / the layer's
+    scale, saturated at ±448 (some rows here exceed it), rounded to nearest even — bit for bit on a
+    GPU. Triton's interpreter emulates the fp8 cast with ties rounded away from zero and no carry
+    into the exponent, so on the CPU codes may differ by one step (1/8 relative) at such values."""
+    g = torch.Generator().manual_seed(6)
+    T, kv, D = 6, 2, 16
+    k = (torch.randn(T, kv, D, generator=g) * 200).to(DEVICE, torch.bfloat16)
+    v = (torch.randn(T, kv, D, generator=g) * 900).to(DEVICE, torch.bfloat16)
+    slots = torch.tensor([9, 0, 31, 4, 17, 22], device=DEVICE)
+    caches = [torch.zeros(40, kv, D, device=DEVICE, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    TorchBackend().store_kv(k, v, *want, slots, FP8_SCALES)
+    store_kv(k, v, *caches, slots, FP8_SCALES)
+    for got, ref in zip(caches, want):
+        if DEVICE == "cuda":
+            assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+        else:
+            g32, r32 = got.float().cpu(), ref.float().cpu()
+            assert ((g32 - r32).abs() <= r32.abs() / 8).all()
+            assert (g32 == r32).float().mean() > 0.9
+    assert want[1].float().abs().max() == 448  # saturated, not NaN
+    assert not want[0].float().isnan().any()
+
+
 def test_meta_rejects_two_windows():
     ctx = ForwardContext([0, 0], [1, 1], PagedSlots(torch.zeros(2, 1, dtype=torch.long), 8),
                          windows=[DraftWindow(4, 16), DraftWindow(2, 16)])
@@ -248,6 +307,12 @@ def test_bf16_real_head_dims_gpu(dim):
     case = _case(5, 16, 2, dim, q_lens=[1, 7], starts=[9000, 4200], windows=[DraftWindow(64, 4032)] * 2, ring=True,
                  d=7, dtype=torch.bfloat16)
     _compare(case, atol=2e-2)
+    # fp8 caches (K / V of magnitude ~300, scales ~1): the widened tiles in bf16 arithmetic
+    for page in (16, 64):
+        for q_lens, starts in (([7, 1], [5000, 300]), ([PREFILL_MIN_Q + 70, 2], [700, 9])):
+            case = _case(8, 16, 2, dim, q_lens=q_lens, starts=starts, windows=[None, None], ring=False, page=page,
+                         dtype=torch.bfloat16)
+            _compare(_fp8(case, FP8_SCALES), atol=3.0, kv_scale=FP8_SCALES)
 
 
 @pytest.mark.whole_tiles

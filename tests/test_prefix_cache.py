@@ -78,13 +78,13 @@ def _forbid_writes_to_cached_pages(engine: Engine, monkeypatch: pytest.MonkeyPat
     store = backend.store_kv
     draft_storage = None if mem.draft_kv is None else mem.draft_kv.untyped_storage().data_ptr()
 
-    def checked(k, v, k_cache, v_cache, slots):
+    def checked(k, v, k_cache, v_cache, slots, *scales):
         draft = k_cache.untyped_storage().data_ptr() == draft_storage
         nodes = engine.prefix._index.values()
         pages = {n.draft_page for n in nodes} - {None} if draft else {n.page for n in nodes}
         written = {int(s) // PAGE for s in slots}
         assert not written & pages, f"a write into cached {'draft' if draft else 'target'} pages {written & pages}"
-        return store(k, v, k_cache, v_cache, slots)
+        return store(k, v, k_cache, v_cache, slots, *scales)
 
     monkeypatch.setattr(backend, "store_kv", checked)
 
@@ -126,9 +126,20 @@ def _scenario(engine: Engine) -> tuple[list[list[int]], list[tuple[int, int, tor
 @pytest.mark.parametrize("mode,ring", MODES)
 def test_cached_run_is_exact(preset, mode, ring, models, monkeypatch):
     """Same greedy tokens, same seeded samples and the same draft logits with the cache as without."""
+    _check_cached_run(models(preset), mode, ring, monkeypatch)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5-moe", "tiny-nemotron-h"])
+@pytest.mark.parametrize("mode,ring", [("native", True), ("windowed", True)])
+def test_cached_run_is_exact_at_fp8_kv(preset, mode, ring, models, monkeypatch):
+    """The same with fp8 K / V: cached pages, the draft page and the ring snapshot are fp8 bytes."""
+    _check_cached_run(models(preset), mode, ring, monkeypatch, kv_cache_dtype="fp8_e4m3")
+
+
+def _check_cached_run(model, mode: str, ring: bool, monkeypatch: pytest.MonkeyPatch, **kw) -> None:
     runs = []
     for cache in (False, True):
-        engine = _engine(models(preset), mode, ring, cache)
+        engine = _engine(model, mode, ring, cache, **kw)
         _poison_fresh_memory(engine)
         if cache:
             _forbid_writes_to_cached_pages(engine, monkeypatch)

@@ -164,6 +164,15 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ring", action="store_true", help="keep the full-length draft pool in windowed mode")
     p.add_argument("--draft-vocab", default=None, help="rank file (wmtp draft-vocab): draft over its tokens only")
     p.add_argument("--draft-vocab-size", type=int, default=None, help="the rank file's first K tokens")
+    kv_cache_dtype_arg(p)
+
+
+def kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
+    from wmtp.quant import KV_CACHE_DTYPES
+
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="K / V of the target and the draft: the model's dtype (auto) or fp8 e4m3 with the "
+                        "checkpoint's per-layer k_scale / v_scale (else 1.0)")
 
 
 def _depth(text: str) -> int | str:
@@ -246,7 +255,7 @@ def generate(a: argparse.Namespace) -> int:
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, max_tokens=a.max_tokens,
                             seed=a.seed, ignore_eos=a.ignore_eos)
     eng_cfg = EngineConfig(max_model_len=a.max_model_len or len(ids) + a.max_tokens, max_num_seqs=1,
-                           prefill_chunk=a.prefill_chunk)
+                           prefill_chunk=a.prefill_chunk, kv_cache_dtype=a.kv_cache_dtype)
     if tp == 1:
         eng = Engine(model, spec, eng_cfg)
     else:
@@ -286,7 +295,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 def bench(a: argparse.Namespace) -> int:
     from wmtp.bench import step, sweeps
 
-    return step.run(a) if a.bench in ("step", "ttft", "depth-replay", "multiturn") else sweeps.run(a)
+    return step.run(a) if a.bench in ("step", "ttft", "depth-replay", "multiturn", "kv-logits") else sweeps.run(a)
 
 
 register("bench", "benchmarks: decode-step cost per mode, TTFT, and the sweeps (synthetic context, forced "
@@ -330,7 +339,8 @@ def _serve_engine_args(a: argparse.Namespace) -> dict:
     return dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, page_size=a.page_size,
                 num_kv_pages=a.num_kv_pages, kv_memory_bytes=kv_bytes, prefill_chunk=a.prefill_chunk,
                 prefix_cache=not a.no_prefix_cache, prefix_snapshot_interval=a.prefix_snapshot_interval,
-                prefix_snapshots=a.prefix_snapshots, tensor_parallel_size=a.tensor_parallel_size)
+                prefix_snapshots=a.prefix_snapshots, tensor_parallel_size=a.tensor_parallel_size,
+                kv_cache_dtype=a.kv_cache_dtype)
 
 
 def serve(a: argparse.Namespace) -> int:

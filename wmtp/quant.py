@@ -27,6 +27,12 @@ with ``quant_algo`` and ``ignore`` / ``exclude_modules``, or "fp8" with ``weight
 ``modules_to_not_convert``). Modules on the exclude list (fnmatch patterns over module names) stay
 in the checkpoint's dtype. Anything else (another method or algorithm, a missing or misshapen scale)
 is a ``CheckpointError`` naming the file, field or tensor: never a silent fallback to 16 bits.
+
+**KV cache** (``EngineConfig.kv_cache_dtype``): ``auto`` keeps K / V in the model's dtype;
+``fp8_e4m3`` stores ``clamp(x * (1 / scale), ±448)`` rounded to float8_e4m3fn and reads ``code * scale``,
+one (k_scale, v_scale) pair per attention layer: the checkpoint's (ModelOpt writes
+``<attn>.k_proj.k_scale`` / ``<attn>.v_proj.v_scale``, newer exports ``<attn>.k_scale``), else 1.0.
+The target pool, the draft pool, the draft ring and the prefix snapshots all take that dtype.
 """
 
 from __future__ import annotations
@@ -542,3 +548,56 @@ def default_config(name: str, exclude: tuple[str, ...]) -> QuantConfig:
     if name not in FORMATS:
         raise CheckpointError(f"quantization {name!r}; supported: {sorted(FORMATS)}")
     return QuantConfig(FORMATS[name](), tuple(exclude), f"--quantize {name}")
+
+
+# ---- the KV cache's format ------------------------------------------------------------------------
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of K / V pools for ``EngineConfig.kv_cache_dtype`` ``name``."""
+    if name == "auto":
+        return model_dtype
+    if name == "fp8_e4m3":
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype {name!r}; supported: {', '.join(KV_CACHE_DTYPES)}")
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == torch.float8_e4m3fn
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the cache stores it: cast to ``dtype``, or for fp8 times ``1 / scale`` (one fp32
+    multiply, as the kernels do it), saturated at ±448 (a plain cast turns overflow into NaN) and
+    rounded to nearest even."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    return (x.float() * (1.0 / scale)).clamp(-E4M3_MAX, E4M3_MAX).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows ``x`` as values of ``dtype`` (``code * scale`` for fp8)."""
+    return x.to(dtype) * scale if is_fp8(x.dtype) else x.to(dtype)
+
+
+def bytewise(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor viewed as uint8, for indexing and copies (CUDA's index kernels lack fp8; the
+    bytes are the values); any other tensor as it is."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
+
+
+#: how checkpoints spell an attention layer's KV scales, after the attention module's name
+KV_SCALE_NAMES = {"k": ("k_scale", "k_proj.k_scale", "attn.k_scale"), "v": ("v_scale", "v_proj.v_scale", "attn.v_scale")}
+
+
+def kv_scale_value(name: str, t: torch.Tensor) -> float:
+    """A checkpoint's per-layer KV scale as a float; anything but one finite positive value (a
+    per-head or per-token scale, 0, NaN) is a CheckpointError naming the tensor."""
+    if t.numel() != 1:
+        raise CheckpointError(f"tensor {name!r}: KV scale of shape {list(t.shape)}; only per-layer scalars are supported")
+    v = float(t.float().reshape(()))
+    if not math.isfinite(v) or v <= 0:
+        raise CheckpointError(f"tensor {name!r}: KV scale {v} must be finite and > 0")
+    return v

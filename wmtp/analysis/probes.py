@@ -41,8 +41,8 @@ class _CapturingBackend:
     def __init__(self, inner, record: _Captured) -> None:
         self._inner, self._record = inner, record
 
-    def attention(self, q, k, v, k_cache, v_cache, ctx, scale, gate=None):
-        out = self._inner.attention(q, k, v, k_cache, v_cache, ctx, scale)  # the readout before any output gate
+    def attention(self, q, k, v, k_cache, v_cache, ctx, scale, gate=None, kv_scale=(1.0, 1.0)):
+        out = self._inner.attention(q, k, v, k_cache, v_cache, ctx, scale, None, kv_scale)  # before any output gate
         self._record.calls.append((q.detach(), k.detach(), v.detach(), scale, out.detach()))
         return out if gate is None else out * torch.sigmoid(gate)
 

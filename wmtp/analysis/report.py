@@ -22,6 +22,7 @@ and the report computes mean and 95% Student-t CIs itself. Kinds and their row f
 - ``peer``: engine, mode, d, S, B, t_iter_s[], al[] (+ ttft_s[], tpot_s[] at B = 1; system_tok_s[] above)
 - ``adaptive_depth``: config ("dN" | "auto"), trace, tpot_s, al, gamma_histogram
 - ``multiturn``: mode, prefix_cache, users, turns, doc_tokens, ttft_s[user][turn], mean_ttft_s_per_turn[]
+- ``kv_logits``: model, scales, tokens, max_abs, mean_abs, logit_span, argmax_changed
 
 Only sections whose kinds are present are rendered; the report lists the missing ones. PNGs are
 written next to the markdown file.
@@ -64,6 +65,7 @@ ROW_FIELDS: dict[str, tuple[str, ...]] = {
     "peer": ("engine", "mode", "d", "S", "B", "t_iter_s", "al"),
     "adaptive_depth": ("config", "trace", "tpot_s", "al", "gamma_histogram"),
     "multiturn": ("mode", "prefix_cache", "users", "turns", "doc_tokens", "ttft_s", "mean_ttft_s_per_turn"),
+    "kv_logits": ("model", "scales", "tokens", "max_abs", "mean_abs", "logit_span", "argmax_changed"),
 }
 KIND_PURPOSE = {
     "step": "per-step cost vs the bytes floor",
@@ -81,6 +83,7 @@ KIND_PURPOSE = {
     "peer": "wmtp against vLLM on the same GPU and prompts",
     "adaptive_depth": "TPOT of the adaptive draft depth against every fixed depth",
     "multiturn": "TTFT per turn of conversations over one document through the server, prefix cache off / on",
+    "kv_logits": "what an fp8 KV cache does to the logits, against the model-dtype cache",
 }
 COLOURS = {"dense": "#7f7f7f", "native": "#d62728", "windowed": "#1f77b4"}
 
@@ -320,6 +323,13 @@ def section_multiturn(rep: Report, f: ResultFile) -> None:
         off, on = (sum(by[c]) / len(by[c]) for c in (False, True))
         rep.add(f"- turns after the first: mean TTFT {off:.3f} s without the cache, {on:.3f} s with it "
                 f"({off / on:.1f}x)", "")
+
+
+def section_kv_logits(rep: Report, f: ResultFile) -> None:
+    """One sequence per (model, scales): |Δlogits| of fp8 against model-dtype K / V, and the argmax."""
+    rep.table(["model", "KV scales", "tokens", "text", "max |Δlogit|", "mean |Δlogit|", "logit span", "argmax changed"],
+              [[r["model"], r["scales"], r["tokens"], r.get("text", "–"), fmt(r["max_abs"], 4), fmt(r["mean_abs"], 4),
+                fmt(r["logit_span"], 3), f"{r['argmax_changed']} / {r['tokens']}"] for r in f.rows])
 
 
 def _floor_basis(bw: dict | None) -> str | None:
@@ -847,6 +857,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Report, ResultFile], None]]] = {
     "peer": ("wmtp against vLLM", section_peer),
     "adaptive_depth": ("Adaptive draft depth", section_adaptive_depth),
     "multiturn": ("Multi-turn serving with the prefix cache", section_multiturn),
+    "kv_logits": ("fp8 KV cache: logits", section_kv_logits),
 }
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from wmtp.bench.floor import ExpertCounter, step_bytes
-from wmtp.bench.step import _spec, _sync_time, release_pools
+from wmtp.bench.step import _spec, _sync_time, kv_dtype, parse_mode, release_pools
 from wmtp.bench.synthetic import add_synthetic_request, force_acceptance, randomize_pools
 from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.engine.engine import Engine
@@ -52,8 +52,9 @@ class Cell:
     def make(cls, mode: str, d: int, S: int, window: int, sink: int, budget: bool = False) -> "Cell":
         """Normalised: dense has d = 1, and only windowed cells carry (window, sink), so native and
         dense cells are shared by every sweep whatever their window options."""
-        win = mode == "windowed"
-        return cls(mode, 1 if mode == "dense" else d, S, window if win else None, sink if win else None, budget)
+        base = parse_mode(mode)[0]
+        win = base == "windowed"
+        return cls(mode, 1 if base == "dense" else d, S, window if win else None, sink if win else None, budget)
 
     @property
     def spec(self) -> SpecConfig:
@@ -113,10 +114,11 @@ class CellRun:
         return k
 
 
-def request_bytes(model: CausalLM, spec: SpecConfig, total_tokens: int, page_size: int, dtype: torch.dtype) -> int:
+def request_bytes(model: CausalLM, spec: SpecConfig, total_tokens: int, page_size: int, dtype: torch.dtype,
+                  kv_cache_dtype: str = "auto") -> int:
     """Bytes one request of ``total_tokens`` reserves in all pools (the engine's own accounting)."""
-    mm = MemoryManager(model.config, spec, EngineConfig(max_model_len=total_tokens, max_num_seqs=1,
-                                                        page_size=page_size, num_kv_pages=1), dtype)
+    mm = MemoryManager(model.config, spec, EngineConfig(max_model_len=total_tokens, max_num_seqs=1, page_size=page_size,
+                                                        num_kv_pages=1, kv_cache_dtype=kv_cache_dtype), dtype)
     return sum(mm.allocation_bytes(mm.need(total_tokens)).values())
 
 
@@ -124,7 +126,7 @@ def seq_cap(bench: Bench, cell: Cell, max_tokens: int) -> int:
     """max_num_seqs of a budget cell: one more request than the budget can hold (so the pools, not
     the sequence slots, stop admission), at most ``--max-batch``."""
     dtype = bench.model.embed_weight.dtype
-    per = request_bytes(bench.model, cell.spec, cell.S + max_tokens, bench.a.page_size, dtype)
+    per = request_bytes(bench.model, cell.spec, cell.S + max_tokens, bench.a.page_size, dtype, kv_dtype(cell.mode))
     return max(1, min(bench.a.max_batch, bench.budget() // per + 1))
 
 
@@ -136,9 +138,10 @@ def open_cell(bench: Bench, cell: Cell, run: int, max_tokens: int, randomize: bo
     a = bench.a
     if cell.budget:
         cfg = EngineConfig(max_model_len=cell.S + max_tokens, max_num_seqs=seq_cap(bench, cell, max_tokens),
-                           page_size=a.page_size, kv_memory_bytes=bench.budget())
+                           page_size=a.page_size, kv_memory_bytes=bench.budget(), kv_cache_dtype=kv_dtype(cell.mode))
     else:
-        cfg = EngineConfig(max_model_len=cell.S + max_tokens, max_num_seqs=1, page_size=a.page_size)
+        cfg = EngineConfig(max_model_len=cell.S + max_tokens, max_num_seqs=1, page_size=a.page_size,
+                           kv_cache_dtype=kv_dtype(cell.mode))
     try:
         eng = Engine(bench.model, cell.spec, cfg)
     except CapacityError as e:  # only a budget cell can be refused: the budget is below one request
@@ -212,7 +215,7 @@ class TIter(Measure):
         seen = counter.mean_distinct()
         if not seen and counter.by_router:
             return None
-        return step_bytes(cr.bench.model, cr.eng.spec, cr.cell.S, seen, cr.bench.elt).total
+        return step_bytes(cr.bench.model, cr.eng.spec, cr.cell.S, seen, cr.bench.elt, cr.eng.memory.kv_elt).total
 
 
 def _phase_block(cr: CellRun, iters: int) -> tuple[list[float], list[dict[str, float]]]:

@@ -107,11 +107,14 @@ def state_bytes(cfg: ModelConfig, elt: int) -> int:
     return 0 if st is None else st.layers * (st.conv_bytes(elt) + st.ssm_bytes)
 
 
-def step_bytes(model: TargetLM, spec: SpecConfig, context: int, distinct: dict[int, float], elt: int) -> StepBytes:
+def step_bytes(model: TargetLM, spec: SpecConfig, context: int, distinct: dict[int, float], elt: int,
+               kv_elt: int | None = None) -> StepBytes:
     """The floor's bytes of one iteration at ``context`` tokens (module docstring) for any
     ``TargetLM``. ``distinct``: mean distinct experts per forward, keyed by ``id`` of each MoE
-    block (``ExpertCounter.mean_distinct``); ``elt``: bytes of a KV / conv-state element."""
+    block (``ExpertCounter.mean_distinct``); ``elt``: bytes of a conv-state element, and of a KV
+    element unless ``kv_elt`` (the engine's ``MemoryManager.kv_elt``: 1 for an fp8 KV cache) says."""
     cfg = model.config
+    kv_elt = elt if kv_elt is None else kv_elt
     emb = model.embed_weight
     weights = _Weights(model)
     # the target: every weight outside the MTP head and the lm_head (counted apart)
@@ -130,10 +133,10 @@ def step_bytes(model: TargetLM, spec: SpecConfig, context: int, distinct: dict[i
         draft_experts = int(gamma * sum(distinct.get(id(m), 0) * weights.expert(m) for m in mtp_moes))
         win = spec.window_for(context)
         keys = context if win is None else min(context, win.sink + win.window)
-        draft_kv = gamma * keys * cfg.draft_kv_bytes_per_token(elt) * max(cfg.num_mtp_attention_layers, 1)
+        draft_kv = gamma * keys * cfg.draft_kv_bytes_per_token(kv_elt) * max(cfg.num_mtp_attention_layers, 1)
     return StepBytes(
         target_dense=target_dense, target_experts=target_experts,
-        target_kv=context * cfg.target_kv_bytes_per_token(elt), states=state_bytes(cfg, elt),
+        target_kv=context * cfg.target_kv_bytes_per_token(kv_elt), states=state_bytes(cfg, elt),
         lm_head=lm_bytes + gamma * draft_lm_bytes, draft_dense=draft_dense, draft_experts=draft_experts, draft_kv=draft_kv,
     )
 

@@ -35,13 +35,35 @@ from wmtp.engine.engine import Engine
 from wmtp.models.parallel import TPGroup
 
 
+def parse_mode(mode: str) -> tuple[str, int | None, str]:
+    """A benchmark's mode label: ``dense | native | windowed``, then options after colons:
+    ``V<K>`` a pruned draft vocabulary of K tokens, the first K ids (a cost measurement: which
+    tokens does not change the bytes a step reads); ``kv-fp8`` an fp8 e4m3 KV cache. Returns
+    (mode, K or None, EngineConfig.kv_cache_dtype)."""
+    from wmtp.errors import WmtpError
+
+    base, *opts = mode.split(":")
+    vocab, kv = None, "auto"
+    for o in opts:
+        if o[:1] == "V" and o[1:].isdigit():
+            vocab = int(o[1:])
+        elif o == "kv-fp8":
+            kv = "fp8_e4m3"
+        else:
+            raise WmtpError(f"mode {mode!r}: unknown option {o!r} (options: V<K>, kv-fp8)")
+    return base, vocab, kv
+
+
 def _spec(mode: str, d: int, window: int, sink: int) -> SpecConfig:
-    """``mode``, or ``mode:V<K>``: with a pruned draft vocabulary of K tokens, the first K ids (a
-    cost measurement: which tokens does not change the bytes a step reads)."""
-    base, _, k = mode.partition(":V")
-    vocab = tuple(range(int(k))) if k else None
+    """The SpecConfig of a mode label (``parse_mode``)."""
+    base, k, _ = parse_mode(mode)
     return SpecConfig(mode=base, num_draft_tokens=d if base != "dense" else 1, window=window, sink=sink,
-                      draft_vocab=vocab)
+                      draft_vocab=None if k is None else tuple(range(k)))
+
+
+def kv_dtype(mode: str) -> str:
+    """The EngineConfig.kv_cache_dtype of a mode label (``parse_mode``)."""
+    return parse_mode(mode)[2]
 
 
 def release_pools(model) -> None:
@@ -86,7 +108,7 @@ def time_mode(model, mode: str, a: argparse.Namespace, bandwidth: float) -> dict
     total_iters = 2 * (a.warmup + a.iters + 1) + 4
     max_tokens = total_iters * spec.verify_tokens + 8
     eng = Engine(model, spec, EngineConfig(max_model_len=a.context + max_tokens, max_num_seqs=1, page_size=a.page_size,
-                                           decode_graphs=a.decode_graphs))
+                                           decode_graphs=a.decode_graphs, kv_cache_dtype=kv_dtype(mode)))
     randomize_pools(eng)
     add_synthetic_request(eng, a.context, max_tokens)
     k = min(a.accept, spec.gamma)
@@ -100,7 +122,7 @@ def time_mode(model, mode: str, a: argparse.Namespace, bandwidth: float) -> dict
     overlapped = _overlapped_intervals(eng, a.warmup, a.iters)
     state = gpu_state(eng.device)  # right after the timed iterations, still under load's clocks
     elt = torch.empty(0, dtype=eng.dtype).element_size()
-    sb = step_bytes(model, spec, a.context, counter.mean_distinct(), elt)
+    sb = step_bytes(model, spec, a.context, counter.mean_distinct(), elt, eng.memory.kv_elt)
     floor = sb.total / bandwidth
     pools, compiled = eng.memory.bytes_report(), eng.compiled_steps
     build = sum(g.build_seconds for g in eng.graphs.values())
@@ -196,7 +218,7 @@ def admission(model, mode: str, a: argparse.Namespace) -> dict:
     free, _ = torch.cuda.mem_get_info()
     budget = free - int(a.reserve_gib * 2**30)
     eng = Engine(model, spec, EngineConfig(max_model_len=a.context + 64, max_num_seqs=a.max_admit,
-                                           page_size=a.page_size, kv_memory_bytes=budget))
+                                           page_size=a.page_size, kv_memory_bytes=budget, kv_cache_dtype=kv_dtype(mode)))
     randomize_pools(eng)
     n = 0
     try:
@@ -285,6 +307,11 @@ def run_step(a: argparse.Namespace, bw: dict | None = None, tp: TPGroup | None =
         summary["native_over_windowed_sync"] = by["native"]["t_iter_sync_s"][0] / by["windowed"]["t_iter_sync_s"][0]
         print(f"native / windowed T_iter = {summary['native_over_windowed']:.3f} "
               f"(synchronised {summary['native_over_windowed_sync']:.3f})", flush=True)
+    for m in modes:  # a mode beside its fp8-KV twin: the speed-up, measured in this run
+        if f"{m}:kv-fp8" in by:
+            ratio = by[m]["t_iter_s"][0] / by[f"{m}:kv-fp8"]["t_iter_s"][0]
+            summary.setdefault("kv_fp8_speedup", {})[m] = ratio
+            print(f"{m}: T_iter bf16 KV / fp8 KV = {ratio:.3f}", flush=True)
     result = {"kind": "step" if rows else "kernels", "schema": 1,
               "meta": {**_meta(a, True), "dtype": _dtype(model), "weights": weights(model), "bandwidth": bw,
                        "backend": a.backend,
@@ -304,15 +331,17 @@ def run_step(a: argparse.Namespace, bw: dict | None = None, tp: TPGroup | None =
     return 0
 
 
-def _prefill_seconds(model, spec: SpecConfig, a: argparse.Namespace, prompts: list[list[int]],
+def _prefill_seconds(model, mode: str, a: argparse.Namespace, prompts: list[list[int]],
                      prefix_cache: bool = False) -> list[tuple[float, int]]:
-    """Per prompt, one after another in one engine: (wall time from adding the request to its first
-    token, a real chunked prefill; prompt tokens it took from the prefix cache)."""
+    """Per prompt, one after another in one engine of ``mode`` (a label, ``parse_mode``): (wall time
+    from adding the request to its first token, a real chunked prefill; prompt tokens it took from
+    the prefix cache)."""
     from wmtp.engine.sampling import SamplingParams
 
-    eng = Engine(model, spec, EngineConfig(max_model_len=max(map(len, prompts)) + 16, max_num_seqs=1,
-                                           page_size=a.page_size, prefill_chunk=a.chunk, prefix_cache=prefix_cache,
-                                           prefix_snapshot_interval=a.snapshot_interval))
+    eng = Engine(model, _spec(mode, a.d, a.window, a.sink),
+                 EngineConfig(max_model_len=max(map(len, prompts)) + 16, max_num_seqs=1, page_size=a.page_size,
+                              prefill_chunk=a.chunk, prefix_cache=prefix_cache,
+                              prefix_snapshot_interval=a.snapshot_interval, kv_cache_dtype=kv_dtype(mode)))
     out = []
     for prompt in prompts:
         _sync(a.device)
@@ -349,17 +378,16 @@ def run_ttft(a: argparse.Namespace, tp: TPGroup | None = None) -> int:
     warm = min(a.tokens, 2 * a.chunk + 1)
     rows = []
     for mode in a.modes.split(","):
-        spec = _spec(mode, a.d, a.window, a.sink)
         # untimed first: Triton compiles and fla autotunes per shape class on first use, which
         # would otherwise land in whichever mode runs first
-        _prefill_seconds(model, spec, a, [prompt[:warm]])
+        _prefill_seconds(model, mode, a, [prompt[:warm]])
         row = {"mode": mode, "tokens": a.tokens, "chunk": a.chunk, "warmup_tokens": warm}
         if a.repeat_suffix:
             (row["ttft_s"], _), (row["repeat_ttft_s"], row["repeat_cached_tokens"]) = _prefill_seconds(
-                model, spec, a, [prompt, repeat_prompt(prompt, a.repeat_suffix, model.config.vocab_size)], True)
+                model, mode, a, [prompt, repeat_prompt(prompt, a.repeat_suffix, model.config.vocab_size)], True)
             row["repeat_suffix"] = a.repeat_suffix
         else:
-            row["ttft_s"] = _prefill_seconds(model, spec, a, [prompt])[0][0]
+            row["ttft_s"] = _prefill_seconds(model, mode, a, [prompt])[0][0]
         rows.append(row)
         repeat = (f"; again with another {a.repeat_suffix}-token suffix: {row['repeat_ttft_s']:.2f} s "
                   f"({row['repeat_cached_tokens']} tokens cached)") if a.repeat_suffix else ""
@@ -390,14 +418,16 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
-    """``step``, ``ttft``, ``depth-replay`` and ``multiturn``; returns the sub-parsers so the sweeps can add theirs."""
+    """``step``, ``ttft``, ``depth-replay``, ``multiturn`` and ``kv-logits``; returns the sub-parsers so the
+    sweeps can add theirs."""
     sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name, help in (("step", "T_iter per mode at S tokens (synthetic context, forced acceptance)"),
                        ("ttft", "TTFT of a real chunked prefill, per mode")):
         s = sub.add_parser(name, help=help, description=help)
         s.add_argument("--preset", default="qwen3.6-35b-a3b")
         s.add_argument("--modes", default="dense,native,windowed",
-                       help="comma-separated; mode:V<K> drafts over a pruned vocabulary of K tokens (cost only)")
+                       help="comma-separated; mode:V<K> drafts over a pruned vocabulary of K tokens (cost only), "
+                            "mode:kv-fp8 holds K / V in fp8 e4m3")
         s.add_argument("-d", type=int, default=7, help="num_draft_tokens")
         add_engine_args(s)
         s.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
@@ -424,10 +454,12 @@ def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
             s.add_argument("--snapshot-interval", type=int, default=EngineConfig.prefix_snapshot_interval,
                            help="--repeat-suffix: pages between prefix snapshots")
     from wmtp.bench.depth import add_args as add_depth_args
+    from wmtp.bench.kv_dtype import add_args as add_kv_logits_args
     from wmtp.bench.multiturn import add_args as add_multiturn_args
 
     add_depth_args(sub)
     add_multiturn_args(sub)
+    add_kv_logits_args(sub)
     return sub
 
 
@@ -455,6 +487,10 @@ def run(a: argparse.Namespace) -> int:
         from wmtp.bench.multiturn import run_multiturn
 
         return run_multiturn(a)
+    if a.bench == "kv-logits":
+        from wmtp.bench.kv_dtype import run_kv_logits
+
+        return run_kv_logits(a)
     if a.tensor_parallel_size != 1:
         return _run_ranks(a)
     return run_step(a) if a.bench == "step" else run_ttft(a)

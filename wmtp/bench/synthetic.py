@@ -22,7 +22,12 @@ def randomize_pools(engine: Engine, seed: int = 0) -> None:
     model = engine.model
     for layer in model.attention_layers() + model.mtp_attention_layers():
         for cache in (getattr(layer, "k_cache", None), getattr(layer, "v_cache", None)):
-            if cache is not None:  # MTP layers hold no cache in dense mode
+            if cache is None:  # MTP layers hold no cache in dense mode
+                continue
+            if cache.element_size() == 1:  # fp8: normal_ has no 8-bit kernel
+                for rows in cache.split(1 << 20):
+                    rows.copy_(torch.randn(rows.shape, generator=gen, device=rows.device))
+            else:
                 cache.normal_(0, 1, generator=gen)
     for layer in model.recurrent_layers():
         layer.conv_state.normal_(0, 0.1, generator=gen)

@@ -8,6 +8,7 @@ import torch
 
 from wmtp.engine.window import DraftWindow
 from wmtp.errors import ConfigError
+from wmtp.quant import KV_CACHE_DTYPES
 
 MODES = ("dense", "native", "windowed")
 DEFAULT_MAX_DRAFT_TOKENS = 8  # "auto" depth's d_max when not given: the depth sweeps' range (d = 2..8)
@@ -159,6 +160,9 @@ class EngineConfig:
     # that many tokens past its snapshot.
     prefix_snapshot_interval: int = 128
     prefix_snapshots: int | None = None
+    # K / V of the target and the draft (pool, ring, snapshots): "auto" = the model's dtype, or
+    # "fp8_e4m3" with per-layer scales (``wmtp.quant``): half the bytes read and held per token
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "page_size", "prefill_chunk"):
@@ -176,6 +180,8 @@ class EngineConfig:
         if not isinstance(self.prefix_snapshot_interval, int) or self.prefix_snapshot_interval < 1:
             raise ConfigError(f"EngineConfig.prefix_snapshot_interval={self.prefix_snapshot_interval!r} must be an "
                               "int >= 1 (pages)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
         snaps = self.prefix_snapshots
         if snaps is not None and (not isinstance(snaps, int) or snaps < 0):
             raise ConfigError(f"EngineConfig.prefix_snapshots={snaps!r} must be None or an int >= 0")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from wmtp.engine.sampling import SamplingParams, accept_greedy, accept_speculati
 from wmtp.errors import WmtpError
 from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
 from wmtp.models.base import TargetLM
+from wmtp.quant import is_fp8
 
 
 class Status(enum.Enum):
@@ -88,6 +90,8 @@ class Engine:
         self.device, self.dtype = p.device, p.dtype
         self.memory = MemoryManager(model.config, spec, eng, self.dtype)
         self.memory.bind(model, self.device)
+        if is_fp8(self.memory.kv_dtype):
+            self._warn_unscaled_kv()
         self.prefix = PrefixCache(self.memory, eng)  # admission and release go through it, cache on or off
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -112,6 +116,14 @@ class Engine:
         self._inflight: _InFlight | None = None  # a launched static-path iteration not yet collected
         self._emitted: list[Request] = []  # requests a collect emitted for during this step()
         self._last_collect = 0.0
+
+    def _warn_unscaled_kv(self) -> None:
+        layers = self.model.attention_layers() + (self.model.mtp_attention_layers() if self.spec.speculative else [])
+        unscaled = sum(not layer.kv_scale_loaded for layer in layers)
+        if unscaled:
+            logging.getLogger("wmtp").warning(
+                "kv_cache_dtype=fp8_e4m3: %d of %d attention layers have no k_scale / v_scale in the checkpoint; "
+                "they use 1.0", unscaled, len(layers))
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams) -> int:

@@ -59,6 +59,7 @@ class LLM:
         prefix_cache: bool = False,
         prefix_snapshot_interval: int = EngineConfig.prefix_snapshot_interval,
         prefix_snapshots: int | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         import wmtp
         from wmtp.models.backend import default_backend
@@ -66,7 +67,8 @@ class LLM:
         eng = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size,
                            num_kv_pages=num_kv_pages, kv_memory_bytes=kv_memory_bytes, prefill_chunk=prefill_chunk,
                            decode_graphs=decode_graphs, overlap=overlap, prefix_cache=prefix_cache,
-                           prefix_snapshot_interval=prefix_snapshot_interval, prefix_snapshots=prefix_snapshots)
+                           prefix_snapshot_interval=prefix_snapshot_interval, prefix_snapshots=prefix_snapshots,
+                           kv_cache_dtype=kv_cache_dtype)
         self.spec = spec or SpecConfig()
         if isinstance(model, TargetLM):  # a built model of any family
             if tensor_parallel_size != 1:

@@ -33,6 +33,7 @@ from wmtp.config import ModelConfig
 from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.errors import WmtpError
 from wmtp.models.base import recurrent_state
+from wmtp.quant import bytewise, kv_cache_dtype
 
 
 class CapacityError(WmtpError):
@@ -113,6 +114,8 @@ class MemoryManager:
     def __init__(self, model_cfg: ModelConfig, spec: SpecConfig, eng: EngineConfig, dtype: torch.dtype) -> None:
         self.cfg, self.spec, self.eng, self.dtype = model_cfg, spec, eng, dtype
         self.elt = torch.empty(0, dtype=dtype).element_size()
+        self.kv_dtype = kv_cache_dtype(eng.kv_cache_dtype, dtype)  # target and draft K / V
+        self.kv_elt = torch.empty(0, dtype=self.kv_dtype).element_size()
         self.state = recurrent_state(model_cfg)
         self.sizes = self._plan()
         self.pages = FreeList(self.sizes.num_pages)
@@ -136,11 +139,11 @@ class MemoryManager:
 
     @property
     def target_page_bytes(self) -> int:
-        return self.eng.page_size * self.cfg.target_kv_bytes_per_token(self.elt)
+        return self.eng.page_size * self.cfg.target_kv_bytes_per_token(self.kv_elt)
 
     @property
     def draft_slot_bytes(self) -> int:
-        return self.cfg.draft_kv_bytes_per_token(self.elt) * max(self.cfg.num_mtp_attention_layers, 1)
+        return self.cfg.draft_kv_bytes_per_token(self.kv_elt) * max(self.cfg.num_mtp_attention_layers, 1)
 
     @property
     def state_slot_bytes(self) -> int:
@@ -229,14 +232,15 @@ class MemoryManager:
         c, slots = self.cfg, self.sizes.num_pages * self.eng.page_size
         attn = model.attention_layers()
         self.trash_kv_slot = slots
-        kv = torch.zeros(len(attn), 2, slots + 1, c.num_kv_heads, c.head_dim, device=device, dtype=self.dtype)
+        kv = torch.zeros(len(attn), 2, slots + 1, c.num_kv_heads, c.head_dim, device=device, dtype=self.kv_dtype)
         for i, layer in enumerate(attn):
             layer.k_cache, layer.v_cache = kv[i, 0], kv[i, 1]
         draft_slots = (self.sizes.num_draft_pages * self.eng.page_size) + self.sizes.num_rings * self.spec.ring_size
         self.trash_draft_slot = draft_slots
         mtp = model.mtp_attention_layers()
         if self.spec.speculative and mtp:
-            dkv = torch.zeros(len(mtp), 2, draft_slots + 1, c.num_kv_heads, c.head_dim, device=device, dtype=self.dtype)
+            dkv = torch.zeros(len(mtp), 2, draft_slots + 1, c.num_kv_heads, c.head_dim, device=device,
+                              dtype=self.kv_dtype)
             for i, layer in enumerate(mtp):
                 layer.k_cache, layer.v_cache = dkv[i, 0], dkv[i, 1]
             self.draft_kv = dkv
@@ -268,7 +272,7 @@ class MemoryManager:
             hidden = torch.zeros(n, self.cfg.hidden_size, device=device, dtype=self.dtype)
         if dkv is not None:
             draft = torch.zeros(*dkv.shape[:2], n, self.snapshot_draft_slots, *dkv.shape[3:], device=device,
-                                dtype=self.dtype)
+                                dtype=dkv.dtype)
         return Snapshots(conv, ssm, hidden, draft)
 
     # ---- admission ---------------------------------------------------------------------------
@@ -349,7 +353,7 @@ class MemoryManager:
         if s.hidden is not None:
             s.hidden[slot] = hidden[0]
         if s.draft is not None:
-            s.draft[:, :, slot] = self.draft_kv[:, :, self._snapshot_draft_index(alloc, boundary)]
+            bytewise(s.draft)[:, :, slot] = bytewise(self.draft_kv)[:, :, self._snapshot_draft_index(alloc, boundary)]
 
     def load_snapshot(self, slot: int, alloc: Allocation, boundary: int) -> torch.Tensor | None:
         """Restore snapshot ``slot`` into a newly admitted request's own state slot and draft slots;
@@ -359,7 +363,7 @@ class MemoryManager:
             self.state_pools.conv[:, alloc.state_slot] = s.conv[:, slot]
             self.state_pools.ssm[:, alloc.state_slot] = s.ssm[:, slot]
         if s.draft is not None:
-            self.draft_kv[:, :, self._snapshot_draft_index(alloc, boundary)] = s.draft[:, :, slot]
+            bytewise(self.draft_kv)[:, :, self._snapshot_draft_index(alloc, boundary)] = bytewise(s.draft)[:, :, slot]
         return None if s.hidden is None else s.hidden[slot : slot + 1].clone()
 
     def _snapshot_draft_index(self, alloc: Allocation, boundary: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 
 from wmtp.kernels.common import pdl
 from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
+from wmtp.quant import is_fp8
 
 try:  # Triton is optional: the CPU path never needs it
     import triton
@@ -86,9 +87,15 @@ if triton is not None:
     from wmtp.kernels.common import wait_prior
 
     @triton.jit
-    def _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    def _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e, MASKED: tl.constexpr, IEEE: tl.constexpr,
+                      KV8: tl.constexpr):
         """One online-softmax update with a [BLOCK_N, D] tile of keys and values. Unmasked tiles
-        (every query sees every key) skip the mask and the all-masked-row guard."""
+        (every query sees every key) skip the mask and the all-masked-row guard. fp8 K / V (``KV8``)
+        widen to q's dtype in registers (exact: every e4m3 value is a bf16 one); their scales are
+        applied outside (k's folded into ``scale_log2e``, v's to the output)."""
+        if KV8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -132,10 +139,10 @@ if triton is not None:
         q_start_ptr, q_len_ptr, tok_off_ptr, win_ptr, table_ptr, table_stride,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_gt, stride_gh,
         stride_ps, stride_pt, stride_ph,
-        num_q_blocks, num_splits, scale_log2e, page_size, sink, window, ring_mod,
+        num_q_blocks, num_splits, scale_log2e, v_scale, page_size, sink, window, ring_mod,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
         BLOCK_D: tl.constexpr, RING: tl.constexpr, CONTIG: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-        GATED: tl.constexpr, PDL: tl.constexpr,
+        GATED: tl.constexpr, KV8: tl.constexpr, PDL: tl.constexpr,
     ):
         wait_prior(PDL)
         pid = tl.program_id(0)
@@ -199,7 +206,7 @@ if triton is not None:
                 else:
                     k = tl.load(K + base + tile)
                     v = tl.load(V + base + tile)
-                m_i, l_i, acc = _softmax_step(q, k, v, True, m_i, l_i, acc, scale_log2e, MASKED=False, IEEE=IEEE)
+                m_i, l_i, acc = _softmax_step(q, k, v, True, m_i, l_i, acc, scale_log2e, MASKED=False, IEEE=IEEE, KV8=KV8)
             # the tail (the causal edge, the split's end) still has one page per tile: the same scalar
             # addressing with masks. The general loop's [BLOCK_N, D] int64 addresses, compiled beside
             # the main loop, cost it registers: 7 queries over 1.04M keys ran 0.55 ms with them,
@@ -212,7 +219,7 @@ if triton is not None:
                 k = tl.load(K + base + tile, mask=_dims_ok(k_ok[:, None], d_ok, PAD_D), other=0.0)
                 v = tl.load(V + base + tile, mask=_dims_ok(k_ok[:, None], d_ok, PAD_D), other=0.0)
                 visible = (j[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
-                m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e, MASKED=True, IEEE=IEEE)
+                m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e, MASKED=True, IEEE=IEEE, KV8=KV8)
         else:
             for j0 in range(lo, hi, BLOCK_N):
                 j = j0 + tl.arange(0, BLOCK_N)
@@ -229,8 +236,10 @@ if triton is not None:
                 v = tl.load(V + slot[:, None] * stride_kt + kvh * stride_kh + dims[None, :], mask=kv_ok, other=0.0)
                 visible = (pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
                 visible &= (~windowed) | (pos[None, :] < sink) | (pos[None, :] > q_pos[:, None] - window)
-                m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e, MASKED=True, IEEE=IEEE)
+                m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e, MASKED=True, IEEE=IEEE, KV8=KV8)
 
+        if KV8:
+            acc = acc * v_scale
         tok = tok_off + qi
         if SPLIT:
             base = split * stride_ps + tok * stride_pt + head * stride_ph
@@ -294,9 +303,10 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _store_kv_kernel(K, V, KC, VC, SLOTS, stride_kt, stride_vt, stride_ct, N, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
-        """Program (token, k or v): one token's [kv_heads * D] row into its cache slot."""
+    def _store_kv_kernel(K, V, KC, VC, SLOTS, stride_kt, stride_vt, stride_ct, N, k_inv, v_inv,
+                         BLOCK: tl.constexpr, KV8: tl.constexpr, PDL: tl.constexpr):
+        """Program (token, k or v): one token's [kv_heads * D] row into its cache slot; into an fp8
+        cache as ``quant.quantize_kv`` writes it (times 1 / its scale, saturated, rounded)."""
         wait_prior(PDL)
         t = tl.program_id(0)
         which = tl.program_id(1)
@@ -305,14 +315,22 @@ if triton is not None:
         for c0 in range(0, N, BLOCK):
             c = c0 + cols
             if which == 0:
-                tl.store(KC + slot * stride_ct + c, tl.load(K + t * stride_kt + c, mask=c < N), mask=c < N)
+                x = tl.load(K + t * stride_kt + c, mask=c < N)
+                if KV8:
+                    x = tl.clamp(x.to(tl.float32) * k_inv, -448.0, 448.0)
+                tl.store(KC + slot * stride_ct + c, x.to(KC.dtype.element_ty), mask=c < N)
             else:
-                tl.store(VC + slot * stride_ct + c, tl.load(V + t * stride_vt + c, mask=c < N), mask=c < N)
+                x = tl.load(V + t * stride_vt + c, mask=c < N)
+                if KV8:
+                    x = tl.clamp(x.to(tl.float32) * v_inv, -448.0, 448.0)
+                tl.store(VC + slot * stride_ct + c, x.to(VC.dtype.element_ty), mask=c < N)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """``k_cache[slots] = k; v_cache[slots] = v`` in one launch. k, v [T, kv_heads, D] (rows may be
-    strided, each row contiguous); caches [slots, kv_heads, D] of one dtype and layout."""
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+             kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
+    """``k_cache[slots] = k; v_cache[slots] = v`` in one launch (fp8 caches: quantized with
+    ``kv_scale``, as ``TorchBackend.store_kv``). k, v [T, kv_heads, D] (rows may be strided, each row
+    contiguous); caches [slots, kv_heads, D] of one dtype and layout."""
     T = k.shape[0]
     if (v.shape != k.shape or k_cache.shape[1:] != k.shape[1:] or v_cache.shape != k_cache.shape
             or v_cache.stride() != k_cache.stride() or slots.shape != (T,)):
@@ -320,14 +338,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                          f"{tuple(v_cache.shape)}, slots {tuple(slots.shape)} disagree")
     if T == 0:
         return
-    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:  # a cast (e.g. fp32 activations, bf16 cache)
+    kv8 = is_fp8(k_cache.dtype)
+    if not kv8 and (k.dtype != k_cache.dtype or v.dtype != v_cache.dtype):  # e.g. fp32 activations, bf16 cache
         k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     k, v = (x if x[0].is_contiguous() else x.contiguous() for x in (k, v))
     if not k_cache[0].is_contiguous():
         raise ValueError(f"store_kv: cache rows must be contiguous (strides {k_cache.stride()})")
     N = k.shape[1] * k.shape[2]
     _store_kv_kernel[(T, 2)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), k_cache.stride(0), N,
-                             BLOCK=min(1024, triton.next_power_of_2(N)), **pdl(k.device))
+                             1.0 / kv_scale[0], 1.0 / kv_scale[1], BLOCK=min(1024, triton.next_power_of_2(N)),
+                             KV8=kv8, **pdl(k.device))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -358,10 +378,12 @@ def paged_attention(
     num_stages: int | None = None,
     max_rows: int | None = None,
     gate: torch.Tensor | None = None,
+    kv_scale: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over the cached keys (already written). Returns [T, H, D], times
     ``sigmoid(gate)`` when ``gate`` [T, H, D] (any strides with a unit last one: Qwen3-Next's output
     gate, a view into the query projection) is given, rounded as ``o * torch.sigmoid(gate)``.
+    fp8 caches read ``code * kv_scale`` (``quant.dequantize_kv``).
 
     ``num_splits`` (default: about two programs per SM) cuts each request's keys;
     ``block_n`` / ``num_warps`` / ``num_stages`` / ``max_rows`` (query rows x GQA group per tile)
@@ -374,11 +396,11 @@ def paged_attention(
     if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
         raise ValueError(f"paged_attention: gate {tuple(gate.shape)} must match q {tuple(q.shape)} with unit stride on D")
     prefill = meta.max_q_len > PREFILL_MIN_Q
-    # 16-bit K / V only: fp32 tiles of this size overflow shared memory
-    prefill_tile = prefill and D >= 256 and k_cache.element_size() == 2 and D & (D - 1) == 0
+    # 16- or 8-bit K / V only: fp32 tiles of this size overflow shared memory
+    prefill_tile = prefill and D >= 256 and k_cache.element_size() <= 2 and D & (D - 1) == 0
     if gate is not None and prefill:
         return paged_attention(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, num_stages,
-                               max_rows) * torch.sigmoid(gate)
+                               max_rows, kv_scale=kv_scale) * torch.sigmoid(gate)
     if H % n_kv:
         raise ValueError(f"paged_attention: heads {H} must be a multiple of kv heads {n_kv}")
     block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs >= 16 along K
@@ -398,9 +420,9 @@ def paged_attention(
         # [128, 256] query rows over 64-key tiles, 8 warps: 21.1 against 24.2 ms for the [64, 256]
         # decode tile (8192 queries over 73,728 keys on the H200; benchmarks/tune_attention.py)
         block_n, num_warps, num_stages = 64, num_warps or 8, num_stages or 2
-    elif big_tile and block_n is None and plain_pages and meta.page_size % 64 == 0 and k_cache.element_size() == 2:
-        # a [64, 256] fp32 accumulator over whole pages (16-bit K / V: three stages of 64-key tiles
-        # fit in shared memory): 0.50 against 0.52 ms for 32-key tiles, 4 stages (7 verify queries
+    elif big_tile and block_n is None and plain_pages and meta.page_size % 64 == 0 and k_cache.element_size() <= 2:
+        # a [64, 256] fp32 accumulator over whole pages (16- or 8-bit K / V: three stages of 64-key
+        # tiles fit in shared memory): 0.50 against 0.52 ms for 32-key tiles, 4 stages (7 verify queries
         # over 1.04M keys, H200; 257b301, 5cee913)
         block_n, num_warps, num_stages = 64, num_warps or 4, num_stages or 3
     elif big_tile and block_n is None:
@@ -426,15 +448,19 @@ def paged_attention(
     else:
         o_part = m_part = l_part = out  # unused
     q = q.contiguous()
+    kv8 = is_fp8(k_cache.dtype)
+    if kv8 and v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"paged_attention: k_cache {k_cache.dtype} and v_cache {v_cache.dtype} must share a dtype")
+    k_scale, v_scale = (float(kv_scale[0]), float(kv_scale[1])) if kv8 else (1.0, 1.0)
     _attn_split_kernel[(B * num_q_blocks, n_kv, num_splits)](
         q, k_cache, v_cache, out, o_part, m_part, l_part, out if gate is None else gate,
         meta.q_start, meta.q_len, meta.tok_off, meta.windowed, meta.table, meta.table.stride(0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         *gate_strides,
         T * H * D, H * D, D,
-        num_q_blocks, num_splits, scale * 1.4426950408889634, meta.page_size, meta.sink, meta.window, meta.ring_mod,
+        num_q_blocks, num_splits, scale * k_scale * 1.4426950408889634, v_scale, meta.page_size, meta.sink, meta.window, meta.ring_mod,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, BLOCK_D=block_d, RING=meta.ring,
-        CONTIG=contig, SPLIT=split, IEEE=q.dtype == torch.float32, GATED=gate is not None, **pdl(q.device),
+        CONTIG=contig, SPLIT=split, IEEE=q.dtype == torch.float32, GATED=gate is not None, KV8=kv8, **pdl(q.device),
         num_warps=num_warps or 4,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )

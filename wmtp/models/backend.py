@@ -17,7 +17,7 @@ from wmtp.engine.window import causal_key_positions
 from wmtp.kernels.common import SharedExpert, SigmoidRouting, acc_dtype
 from wmtp.models.context import ForwardContext
 from wmtp.models.rope import apply_rotary
-from wmtp.quant import QuantWeight, dense
+from wmtp.quant import QuantWeight, bytewise, dense, dequantize_kv, quantize_kv
 
 
 class Backend(ABC):
@@ -92,19 +92,22 @@ class Backend(ABC):
         ctx: ForwardContext,
         scale: float,
         gate: torch.Tensor | None = None,
+        kv_scale: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """Write k, v [T, kv_heads, D] into the caches at ``ctx.write_slots``, then attend.
 
         q: [T, heads, D]. Request b's queries see keys ``0..q`` (or its draft window) read from
         the caches through ``ctx.kv_slots``. Returns [T, heads, D], times ``sigmoid(gate)``
-        ([T, heads, D], Qwen3-Next's output gate) when given.
+        ([T, heads, D], Qwen3-Next's output gate) when given. ``kv_scale``: (k, v) scales of fp8
+        caches (``wmtp.quant.quantize_kv``; unused by 16- and 32-bit caches).
         """
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slots: torch.Tensor) -> None:
-        """Write k, v [T, kv_heads, D] into the caches [slots, kv_heads, D] at ``slots`` [T]."""
-        k_cache[slots] = k.to(k_cache.dtype)
-        v_cache[slots] = v.to(v_cache.dtype)
+                 slots: torch.Tensor, kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
+        """Write k, v [T, kv_heads, D] into the caches [slots, kv_heads, D] at ``slots`` [T]
+        (quantized with ``kv_scale`` where the caches are fp8)."""
+        bytewise(k_cache)[slots] = bytewise(quantize_kv(k, kv_scale[0], k_cache.dtype))
+        bytewise(v_cache)[slots] = bytewise(quantize_kv(v, kv_scale[1], v_cache.dtype))
 
     @abstractmethod
     def gated_delta_net(
@@ -237,8 +240,8 @@ class TorchBackend(Backend):
 
         return gated_rms_norm(x, gate.reshape(x.shape), weight, eps)
 
-    def attention(self, q, k, v, k_cache, v_cache, ctx, scale, gate=None):
-        self.store_kv(k, v, k_cache, v_cache, ctx.write_slots)
+    def attention(self, q, k, v, k_cache, v_cache, ctx, scale, gate=None, kv_scale=(1.0, 1.0)):
+        self.store_kv(k, v, k_cache, v_cache, ctx.write_slots, kv_scale)
         out = torch.empty_like(q)
         n_kv, acc = k_cache.shape[1], acc_dtype(q)
         # requests with the same queries and window read the same key positions: one batched
@@ -253,7 +256,8 @@ class TorchBackend(Backend):
             keys = causal_key_positions(q_last) if window is None else window.key_positions(start, q_last)
             keys = keys.to(q.device)
             slots = ctx.kv_slots.group_slots(torch.tensor(reqs, device=q.device), keys)  # [G, S]
-            kb, vb = k_cache[slots].to(acc), v_cache[slots].to(acc)  # [G, S, n_kv, D]
+            kb = dequantize_kv(bytewise(k_cache)[slots].view(k_cache.dtype), kv_scale[0], acc)  # [G, S, n_kv, D]
+            vb = dequantize_kv(bytewise(v_cache)[slots].view(v_cache.dtype), kv_scale[1], acc)
             rows = torch.tensor([ctx.token_offsets[b] for b in reqs], device=q.device)[:, None] + torch.arange(n, device=q.device)
             qb = q[rows].to(acc)  # [G, n, H, D]
             qpos = torch.arange(start, q_last + 1, device=q.device)
@@ -421,23 +425,23 @@ class TritonBackend(TorchBackend):
     (``wmtp.kernels.moe``), the recurrent / fla-chunked gated delta rule (``wmtp.kernels.gdn``) and
     fused RMSNorms (``wmtp.kernels.norm``). fp64 (exactness tests) stays on the reference."""
 
-    def attention(self, q, k, v, k_cache, v_cache, ctx, scale, gate=None):
+    def attention(self, q, k, v, k_cache, v_cache, ctx, scale, gate=None, kv_scale=(1.0, 1.0)):
         if q.dtype == torch.float64:
-            return super().attention(q, k, v, k_cache, v_cache, ctx, scale, gate)
+            return super().attention(q, k, v, k_cache, v_cache, ctx, scale, gate, kv_scale)
         from wmtp.kernels.paged_attention import AttentionMeta, paged_attention
 
-        self.store_kv(k, v, k_cache, v_cache, ctx.write_slots)
+        self.store_kv(k, v, k_cache, v_cache, ctx.write_slots, kv_scale)
         meta = ctx.backend_cache.get("attention_meta")
         if meta is None:  # built once per forward, shared by every attention layer
             meta = ctx.backend_cache["attention_meta"] = AttentionMeta.from_context(ctx, q.device)
-        return paged_attention(q, k_cache, v_cache, meta, scale, gate=gate)
+        return paged_attention(q, k_cache, v_cache, meta, scale, gate=gate, kv_scale=kv_scale)
 
-    def store_kv(self, k, v, k_cache, v_cache, slots):
+    def store_kv(self, k, v, k_cache, v_cache, slots, kv_scale=(1.0, 1.0)):
         if k.dtype == torch.float64:
-            return super().store_kv(k, v, k_cache, v_cache, slots)
+            return super().store_kv(k, v, k_cache, v_cache, slots, kv_scale)
         from wmtp.kernels.paged_attention import store_kv
 
-        store_kv(k, v, k_cache, v_cache, slots)
+        store_kv(k, v, k_cache, v_cache, slots, kv_scale)
 
     def rms_norm(self, x, weight, eps, offset):
         if x.dtype == torch.float64:

@@ -182,13 +182,14 @@ class TargetLM(nn.Module, ABC):
 
     # ---- private contiguous caches (score, tests, simple decoding; the engine binds paged pools) --
     @contextlib.contextmanager
-    def private_cache(self, batch: int, max_len: int) -> Iterator["PrivateCache"]:
-        """Bind ``batch`` x ``max_len`` fresh caches to every layer; restore the old ones on exit."""
+    def private_cache(self, batch: int, max_len: int, kv_dtype: torch.dtype | None = None) -> Iterator["PrivateCache"]:
+        """Bind ``batch`` x ``max_len`` fresh caches (K / V in ``kv_dtype``, default the model's) to
+        every layer; restore the old ones on exit."""
         layers = self.attention_layers() + self.mtp_attention_layers() + self.recurrent_layers()
         names = ("k_cache", "v_cache", "conv_state", "ssm_state")
         saved = [{n: getattr(m, n) for n in names if hasattr(m, n)} for m in layers]
         try:
-            yield PrivateCache(self, batch, max_len)
+            yield PrivateCache(self, batch, max_len, kv_dtype)
         finally:
             for m, old in zip(layers, saved):
                 for n in names:
@@ -198,9 +199,11 @@ class TargetLM(nn.Module, ABC):
                     setattr(m, n, t)
 
     @torch.no_grad()
-    def score(self, token_ids: Sequence[int] | torch.Tensor, pieces: Sequence[int] | None = None) -> torch.Tensor:
-        """Target logits [T, vocab] (fp32) of one sequence over fresh caches, fed as one forward or
-        as the successive ``pieces`` (lengths summing to T: chunked prefill, then decode steps)."""
+    def score(self, token_ids: Sequence[int] | torch.Tensor, pieces: Sequence[int] | None = None,
+              kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Target logits [T, vocab] (fp32) of one sequence over fresh caches (K / V in ``kv_dtype``),
+        fed as one forward or as the successive ``pieces`` (lengths summing to T: chunked prefill,
+        then decode steps)."""
         p = self.embed_weight
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=p.device).reshape(-1)
         if ids.numel() == 0:
@@ -211,7 +214,7 @@ class TargetLM(nn.Module, ABC):
         if sum(pieces) != ids.numel() or min(pieces) < 1:
             raise ValueError(f"score: pieces {pieces} must be positive and sum to the {ids.numel()} tokens")
         out, start = [], 0
-        with self.private_cache(1, ids.numel()) as cache:
+        with self.private_cache(1, ids.numel(), kv_dtype) as cache:
             for n in pieces:
                 hidden = self(ids[start:start + n], cache.context([start], [n]))
                 out.append(self.compute_logits(hidden).to(acc_dtype(p)))
@@ -224,13 +227,13 @@ class PrivateCache:
     ``b*max_len ..`` and state slot b), bound to the model's layers. Also holds a same-sized MTP
     draft cache."""
 
-    def __init__(self, model: TargetLM, batch: int, max_len: int) -> None:
+    def __init__(self, model: TargetLM, batch: int, max_len: int, kv_dtype: torch.dtype | None = None) -> None:
         p = model.embed_weight
         self.batch, self.max_len, self.device = batch, max_len, p.device
         for attn in model.attention_layers() + model.mtp_attention_layers():
             shape = (batch * max_len, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
-            attn.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
+            attn.k_cache = torch.zeros(shape, device=p.device, dtype=kv_dtype or p.dtype)
+            attn.v_cache = torch.zeros(shape, device=p.device, dtype=kv_dtype or p.dtype)
         state = recurrent_state(model.config)
         for layer in model.recurrent_layers():
             layer.conv_state = torch.zeros(batch, state.conv_dim, state.conv_kernel - 1, device=p.device, dtype=p.dtype)

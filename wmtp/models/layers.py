@@ -145,6 +145,13 @@ class Attention(nn.Module):
         self.qk_norm, self.eps, self.norm_offset = cfg.qk_norm, cfg.rms_norm_eps, cfg.norm_offset
         assert not (cfg.qk_norm and cfg.rope.get("rope_type") == "none"), "NoPE attention has no q / k norm here"
         self.scale = cfg.head_dim**-0.5
+        # fp8 KV: stored = x / scale, read = code * scale (the checkpoint's, set by the loader)
+        self.k_scale = self.v_scale = 1.0
+        self.kv_scale_loaded = False
+
+    @property
+    def kv_scale(self) -> tuple[float, float]:
+        return self.k_scale, self.v_scale
 
     def _norm_weight(self, norm: str) -> torch.Tensor | None:
         return getattr(self, norm).weight if self.qk_norm else None
@@ -161,7 +168,7 @@ class Attention(nn.Module):
         k, v = self._kv_heads(*self.qkv_proj.forward_parts(x, "k_proj", "v_proj"))
         if cos_sin is not None:
             k = self.backend.norm_rope(k, *cos_sin, self._norm_weight("k_norm"), self.eps, self.norm_offset)
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.write_slots)
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.write_slots, self.kv_scale)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, ctx: ForwardContext
                 ) -> torch.Tensor:
@@ -176,7 +183,7 @@ class Attention(nn.Module):
         if cos_sin is not None:  # per-head q/k norm (if any) and RoPE
             q, k = self.backend.qk_norm_rope(q, k, *cos_sin, self._norm_weight("q_norm"), self._norm_weight("k_norm"),
                                              self.eps, self.norm_offset)
-        o = self.backend.attention(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, gate)
+        o = self.backend.attention(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, gate, self.kv_scale)
         return self.o_proj(o.reshape(t, -1))
 
 

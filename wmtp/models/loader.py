@@ -8,7 +8,9 @@ Checkpoint spellings handled here and nowhere else:
   wmtp holds them packed (``layers.Experts.parts`` maps the two);
 - projections of one input (q/k/v_proj, GDN in_proj_*) are stored apart; wmtp packs each group
   into one ``PackedLinear`` (one GEMM) and the writer splits it back;
-- an MTP head may live in a separate ``mtp.safetensors`` next to a checkpoint that never had one.
+- an MTP head may live in a separate ``mtp.safetensors`` next to a checkpoint that never had one;
+- an attention layer's fp8 KV scales are ``<attn>.k_scale`` / ``<attn>.v_scale``, or ModelOpt's
+  ``<attn>.k_proj.k_scale`` / ``<attn>.v_proj.v_scale`` (``quant.KV_SCALE_NAMES``).
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ import torch
 from wmtp.config import ModelConfig
 from wmtp.errors import CheckpointError, ConfigError
 from wmtp.models.base import TargetLM
-from wmtp.models.layers import Experts, GatedDeltaNet, Linear, PackedLinear, RMSNorm
+from wmtp.models.layers import Attention, Experts, GatedDeltaNet, Linear, PackedLinear, RMSNorm
 from wmtp.models.model import CausalLM
 from wmtp.models.nemotron_h import Mamba2Mixer, NemotronHCausalLM
 from wmtp.models.parallel import Split, TPGroup, check_shardable, param_splits, shard_, shard_config
-from wmtp.quant import QuantConfig, QuantFormat
+from wmtp.quant import KV_SCALE_NAMES, QuantConfig, QuantFormat, kv_scale_value
 
 log = logging.getLogger("wmtp")
 
@@ -435,8 +437,9 @@ def load_weights(model: TargetLM, ckpt: Path, names: dict[str, Path]) -> None:
 
     groups = quant_groups(model)
     quant_used, quant_missing = _load_quant(model, groups, names)
+    quant_used |= _load_kv_scales(model, names)
     quant_names = {n for g in groups for e in g.each() for n in g.names(e)}
-    targets = _targets(model, [n for n in names if n not in quant_names])
+    targets = _targets(model, [n for n in names if n not in quant_names and n not in quant_used])
     whole: set[str] = _quant_params(model)  # parameters loaded as one tensor (quantized ones: by group)
     pieces: dict[str, set] = defaultdict(set)  # packed key -> pieces loaded ((expert, kind) or part)
     splits = {} if model.tp is None else param_splits(model)
@@ -466,6 +469,34 @@ def load_weights(model: TargetLM, ckpt: Path, names: dict[str, Path]) -> None:
     unused = sorted(set(names) - set(targets) - quant_used)
     if unused:
         log.warning("%s: %d unused tensor(s) in the checkpoint, e.g. %s", ckpt, len(unused), unused[:4])
+
+
+def _load_kv_scales(model: TargetLM, names: dict[str, Path]) -> set[str]:
+    """Set each attention layer's (k_scale, v_scale) from the checkpoint where it carries them
+    (``Attention.kv_scale_loaded`` says which did); returns the tensor names read."""
+    from safetensors import safe_open
+
+    used: set[str] = set()
+    for mod_name, m in model.named_modules():
+        if not isinstance(m, Attention):
+            continue
+        ck = _to_checkpoint_name(model.config, mod_name)
+        found = {}
+        for kind, spellings in KV_SCALE_NAMES.items():
+            hits = [f"{ck}.{sp}" for sp in spellings if f"{ck}.{sp}" in names]
+            if len(hits) > 1:
+                raise CheckpointError(f"attention layer {ck!r} has two {kind}_scale tensors: {hits}")
+            if hits:
+                with safe_open(names[hits[0]], "pt") as h:
+                    found[kind] = kv_scale_value(hits[0], h.get_tensor(hits[0]))
+                used.add(hits[0])
+        if len(found) == 1:
+            have = next(iter(found))
+            raise CheckpointError(f"attention layer {ck!r} has a {have}_scale but no {'v' if have == 'k' else 'k'}_scale")
+        if found:
+            m.k_scale, m.v_scale = found["k"], found["v"]
+        m.kv_scale_loaded = bool(found)
+    return used
 
 
 def load_checkpoint(
