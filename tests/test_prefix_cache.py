@@ -267,10 +267,9 @@ def test_bench_ttft_repeat_reuses_the_document(models):
     but its last K tokens and resumes from the deepest snapshot before them."""
     from wmtp.bench.step import _prefill_seconds, repeat_prompt
 
-    a = argparse.Namespace(device="cpu", page_size=PAGE, chunk=32, snapshot_interval=INTERVAL)
+    a = argparse.Namespace(device="cpu", page_size=PAGE, chunk=32, snapshot_interval=INTERVAL, d=4, window=W, sink=SINK)
     prompt = list(range(1, 101))
     second = repeat_prompt(prompt, 10, 512)
     assert second[:90] == prompt[:90] and all(s != p for s, p in zip(second[90:], prompt[90:]))
-    spec = SpecConfig(mode="windowed", num_draft_tokens=4, window=W, sink=SINK)
-    (_, first_cached), (_, cached) = _prefill_seconds(models("tiny-nemotron-h"), spec, a, [prompt, second], True)
+    (_, first_cached), (_, cached) = _prefill_seconds(models("tiny-nemotron-h"), "windowed", a, [prompt, second], True)
     assert first_cached == 0 and cached == 64  # the periodic snapshot before the 90 shared tokens
