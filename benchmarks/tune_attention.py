@@ -38,12 +38,15 @@ def main() -> None:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="1,2,3,4")
     ap.add_argument("--splits", default="0", help="num_splits candidates (0 = the kernel's choice)")
+    ap.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "fp8_e4m3"), help="the pool's K / V")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     S, page, D = a.context, a.page_size, a.head_dim
     n_pages = -(-S // page)
     pool = torch.randn(a.pool_layers, 2, n_pages * page, a.kv_heads, D, device=dev, dtype=dt)
+    if a.kv_dtype == "fp8_e4m3":
+        pool = pool.to(torch.float8_e4m3fn)
     k_cache, v_cache = pool[a.pool_layers // 2, 0], pool[a.pool_layers // 2, 1]
     order = torch.randperm(n_pages, device=dev) if a.table == "random" else torch.arange(n_pages, device=dev)
     table = order[None].to(torch.int32)
@@ -73,7 +76,7 @@ def main() -> None:
               f"({kv_bytes / best['ms'] / 1e9:.2f} TB/s) at rows={best['max_rows']} block_n={best['block_n']} warps={best['num_warps']} "
               f"stages={best['num_stages']} splits={best['num_splits'] or 'auto'}", flush=True)
     meta = {"hardware": torch.cuda.get_device_name(), "S": S, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": D,
-            "page_size": page, "pool_layers": a.pool_layers, "table": a.table, "dtype": "bfloat16", "timing": "triton.testing.do_bench_cudagraph"}
+            "page_size": page, "pool_layers": a.pool_layers, "table": a.table, "dtype": "bfloat16", "kv_dtype": a.kv_dtype, "timing": "triton.testing.do_bench_cudagraph"}
     with open(a.out, "w") as f:
         json.dump({"kind": "attention_tuning", "meta": meta, "rows": rows}, f, indent=1)
 

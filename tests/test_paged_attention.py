@@ -244,16 +244,16 @@ def test_fp8_kv_cache(path):
     draft over its ring, and a prefill chunk. Outputs are mixes of values up to ~700: fp32 rounding
     of ~1e-7 relative."""
     win = DraftWindow(sink=4, window=16)
-    case = {
+    make = {
         "paged": lambda: _case(1, 6, 2, 16, q_lens=[1, 5, 3], starts=[40, 7, 90], windows=[None] * 3, ring=False),
         "contiguous": lambda: _case(4, 8, 2, 32, q_lens=[7, 1], starts=[150, 97], windows=[None] * 2, ring=False,
                                     page=64),
         "ring": lambda: _case(3, 4, 2, 16, q_lens=[1, 4], starts=[60, 33], windows=[win] * 2, ring=True),
         "prefill": lambda: _case(2, 4, 2, 16, q_lens=[PREFILL_MIN_Q + 6, 3], starts=[30, 9], windows=[None] * 2,
                                  ring=False),
-    }[path]()
+    }[path]
     for splits in (1, 3):
-        c = _fp8(case, FP8_SCALES)
+        c = _fp8(make(), FP8_SCALES)  # a fresh case: _compare moves its context to the device
         _compare(c, splits, atol=5e-4, kv_scale=FP8_SCALES, **({"block_n": 64} if path == "contiguous" else {}))
 
 
