@@ -91,8 +91,8 @@ if triton is not None:
                       KV8: tl.constexpr):
         """One online-softmax update with a [BLOCK_N, D] tile of keys and values. Unmasked tiles
         (every query sees every key) skip the mask and the all-masked-row guard. fp8 K / V (``KV8``)
-        widen to q's dtype in registers (exact: every e4m3 value is a bf16 one); their scales are
-        applied outside (k's folded into ``scale_log2e``, v's to the output)."""
+        widen to q's dtype in registers (fp16 or fp32: exact, every e4m3 value is one); their scales
+        are applied outside (k's folded into ``scale_log2e``, v's to the output)."""
         if KV8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
@@ -173,6 +173,10 @@ if triton is not None:
         d_ok = dims < D
         q = tl.load(Q + (tok_off + qi)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                     mask=_dims_ok(row_ok[:, None], d_ok, PAD_D), other=0.0)
+        if KV8 and not IEEE:
+            # fp8 tiles widen to fp16, which Hopper converts e4m3 to in one instruction (bf16 takes
+            # two more); q and p follow (bf16 q is exact in fp16's wider mantissa at its magnitudes)
+            q = q.to(tl.float16)
 
         # virtual key range of this query block (see module docstring)
         q_first = q_start + qb * BLOCK_Q
