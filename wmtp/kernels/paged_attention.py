@@ -428,7 +428,10 @@ def paged_attention(
         # a [64, 256] fp32 accumulator over whole pages (16- or 8-bit K / V: three stages of 64-key
         # tiles fit in shared memory): 0.50 against 0.52 ms for 32-key tiles, 4 stages (7 verify queries
         # over 1.04M keys, H200; 257b301, 5cee913)
-        block_n, num_warps, num_stages = 64, num_warps or 4, num_stages or 3
+        # fp8 K / V: 32-key tiles, 4 stages (0.52 against 0.68 ms for 7 verify queries over 1.04M
+        # keys, H200; benchmarks/tune_attention.py --kv-dtype fp8_e4m3)
+        kv8 = is_fp8(k_cache.dtype)
+        block_n, num_warps, num_stages = 32 if kv8 else 64, num_warps or 4, num_stages or (4 if kv8 else 3)
     elif big_tile and block_n is None:
         # the general path: 4 warps over 32-key tiles, 2 stages measured best on the H200 (0.78 vs
         # 1.02 ms for 7 verify queries over 1.04M keys; tune_attention / attention_insitu)
