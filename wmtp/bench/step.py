@@ -311,7 +311,7 @@ def run_step(a: argparse.Namespace, bw: dict | None = None, tp: TPGroup | None =
         if f"{m}:kv-fp8" in by:
             ratio = by[m]["t_iter_s"][0] / by[f"{m}:kv-fp8"]["t_iter_s"][0]
             summary.setdefault("kv_fp8_speedup", {})[m] = ratio
-            print(f"{m}: T_iter bf16 KV / fp8 KV = {ratio:.3f}", flush=True)
+            print(f"T_iter {m} / {m}:kv-fp8 = {ratio:.3f}", flush=True)
     result = {"kind": "step" if rows else "kernels", "schema": 1,
               "meta": {**_meta(a, True), "dtype": _dtype(model), "weights": weights(model), "bandwidth": bw,
                        "backend": a.backend,
