@@ -37,3 +37,18 @@ def test_later_turns_hit_the_cache_and_answers_are_unchanged(mode, tmp_path):
 def test_bad_sizes_are_refused_by_name(tmp_path, capsys):
     assert cli_main(ARGS + ["--turns", "0", "--out", str(tmp_path / "x.json")]) != 0
     assert "--turns" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+def test_cache_off_and_on_run_apart_into_one_file(tmp_path):
+    """``--cache off`` then ``--cache on`` (each under a call's time limit on the GPU machine) leave one
+    file with both rows, checked for equal answers; a run with other settings starts the file afresh."""
+    out = tmp_path / "mt.json"
+    args = ARGS + ["--mode", "windowed", "--out", str(out)]
+    assert cli_main(args + ["--cache", "off"]) == 0
+    assert [r["prefix_cache"] for r in json.loads(out.read_text())["rows"]] == [False]
+    assert cli_main(args + ["--cache", "on"]) == 0
+    off, on = json.loads(out.read_text())["rows"]
+    assert (off["prefix_cache"], on["prefix_cache"]) == (False, True) and off["answers"] == on["answers"]
+    assert on["cached_tokens"] > 0
+    assert cli_main(args + ["--cache", "on", "--turns", "2"]) == 0
+    assert [r["prefix_cache"] for r in json.loads(out.read_text())["rows"]] == [True]

@@ -5,7 +5,9 @@ Every user's first turn sends the document and a question; turn t sends the docu
 earlier questions and the server's answers, and a new question (random token ids, seeded by user and
 turn, identical in both runs). TTFT is the client's time from sending a request to its first streamed
 token. With the cache, a first turn reuses the document another user's request left (page granular,
-from the deepest recurrent-state snapshot), and turn t reuses turn t - 1's prompt.
+from the deepest recurrent-state snapshot), and turn t reuses turn t - 1's prompt. ``--cache off``
+and ``--cache on`` may run apart (each under one call's time limit) into one file. The serve extra
+(fastapi, uvicorn, httpx) must be installed where it runs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ import time
 from pathlib import Path
 
 from wmtp.bench.step import _spec
+
+#: what must match for two runs' rows to share one results file (``--cache off`` then ``--cache on``)
+SETTINGS = ("preset", "mode", "d", "doc_tokens", "users", "turns", "question_tokens", "answer_tokens", "chunk",
+            "window", "sink", "page_size", "dtype")
 from wmtp.engine.config import EngineConfig
 from wmtp.errors import WmtpError
 
@@ -108,8 +114,9 @@ def run_multiturn(a: argparse.Namespace) -> int:
     doc = conversation_tokens(vocab, a.doc_tokens, 0)
     longest = a.doc_tokens + a.turns * (a.question_tokens + a.answer_tokens) + a.d + 8
     spec = _spec(a.mode, a.d, a.window, a.sink)
-    rows = []
-    for cache in (False, True):
+    settings = {k: getattr(a, k) for k in SETTINGS}
+    rows = _earlier_rows(Path(a.out), settings, a.cache)
+    for cache in {"off": (False,), "on": (True,), "both": (False, True)}[a.cache]:
         eng = Engine(model, spec, EngineConfig(max_model_len=longest, max_num_seqs=a.users, page_size=a.page_size,
                                                prefill_chunk=a.chunk, prefix_cache=cache,
                                                decode_graphs=a.decode_graphs))
@@ -125,14 +132,29 @@ def run_multiturn(a: argparse.Namespace) -> int:
               + " ".join(f"{x:.3f}" for x in per_turn) + " s")
         del eng
         release_pools(model)
-    if rows[0]["answers"] != rows[1]["answers"]:  # greedy: the cache must not change a token
+    rows.sort(key=lambda r: r["prefix_cache"])  # off, then on
+    if len(rows) == 2 and rows[0]["answers"] != rows[1]["answers"]:  # greedy: the cache must not change a token
         raise WmtpError("wmtp bench multiturn: the answers with the prefix cache differ from those without it")
-    meta = {**_meta(a, False), "weights": weights(model), "backend": a.backend,
+    meta = {**_meta(a, False), "weights": weights(model), "backend": a.backend, "settings": settings,
             "what": "client-side TTFT of streamed /v1/completions turns; B users concurrently, one document"}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"kind": "multiturn", "schema": 1, "meta": meta, "rows": rows}, indent=1))
     print(f"wrote {a.out}")
     return 0
+
+
+def _earlier_rows(out: Path, settings: dict, cache: str) -> list[dict]:
+    """With ``--cache off`` or ``on``: the other setting's row from an earlier run into ``out`` with
+    the same settings (a run of both can exceed one call's time limit at long documents), else none."""
+    if cache == "both" or not out.exists():
+        return []
+    try:
+        old = json.loads(out.read_text())
+    except json.JSONDecodeError:
+        return []
+    if old.get("kind") != "multiturn" or old.get("meta", {}).get("settings") != settings:
+        return []
+    return [r for r in old["rows"] if r["prefix_cache"] != (cache == "on")]
 
 
 def add_args(sub: argparse._SubParsersAction) -> None:
@@ -149,5 +171,7 @@ def add_args(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--question-tokens", type=int, default=64)
     s.add_argument("--answer-tokens", type=int, default=32)
     s.add_argument("--chunk", type=int, default=8192)
+    s.add_argument("--cache", default="both", choices=["both", "off", "on"],
+                   help="which runs; off / on alone merge with the other's row in --out when its settings match")
     add_engine_args(s)
 
