@@ -101,6 +101,18 @@ def test_two_ranks_give_the_single_process_tokens(key, checkpoint, ranks):
                                                                                            sharded=False)
 
 
+def test_two_ranks_give_the_single_process_tokens_at_fp8_kv(checkpoint, ranks):
+    """fp8 K / V per rank (each its KV heads, the same per-layer scales): TP = 2 emits TP = 1's tokens."""
+    source = checkpoint("qwen3.5-moe")
+    runs = []
+    for size in (1, 2):
+        llm = LLM(source, spec=SPECS["windowed"], max_model_len=64, max_num_seqs=2, tensor_parallel_size=size,
+                  kv_cache_dtype="fp8_e4m3")
+        runs.append([o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True))])
+        llm.close()
+    assert runs[0] == runs[1]
+
+
 def test_adaptive_depth_chooses_alike_on_every_rank(checkpoint, ranks):
     """Each rank's clock differs; the depth controllers agree on the slowest rank's time, so every
     rank runs the same γ each iteration (else their collectives would not match) and the tokens are
