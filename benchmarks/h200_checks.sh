@@ -6,7 +6,7 @@
 # Together longer than one 10-minute device call: pick with PARTS (comma-separated names below)
 # and the models of step / ttft / seats with PRESETS (comma-separated preset names), the formats
 # whose decode kernels' tiles are swept with QTUNE (nvfp4,fp8), the tiny presets of identity with
-# IDENTITY (default: all); the suite
+# IDENTITY (default: all), the multi-turn runs with MULTITURN (off,on); the suite
 # resumes from $WORK (kept on the machine between calls); every part stops by $DEADLINE seconds.
 #   run from the repo root with WMTP_COMMIT set to the commit the tree holds; everything lands in
 #   $OUT/results.tgz (+ log.txt), refreshed after each part. Pure-Python wheels in .whl/ (fla-core)
@@ -50,6 +50,15 @@ for p in "${presets[@]}"; do
     --admission --max-admit 64 --out "$WORK/step_131k_$p.json"
   [[ $parts == *ttft* ]] && run "ttft $p" python3 -m wmtp bench ttft --preset "$p" --modes native,windowed --tokens 131072 \
     --chunk 8192 --out "$WORK/ttft_131k_$p.json"
+  [[ $parts == *kvfp8* ]] && run "kv fp8 $p" python3 -m wmtp bench step --preset "$p" --context 1040000 -d 7 --iters 60 \
+    --modes dense,dense:kv-fp8,native,native:kv-fp8,windowed,windowed:kv-fp8 --admission \
+    --out "$WORK/step_1m_kv_fp8_$p.json"
+done
+# the multi-turn serving run needs the serve extra's wheels in .whl/ (fastapi, starlette, uvicorn, httpx and
+# their dependencies); cache off and on in separate calls, merged into one file
+for c in ${MULTITURN//,/ }; do
+  run "multiturn cache $c" python3 -m wmtp bench multiturn --doc-tokens 131072 --users 4 --turns 8 --cache "$c" \
+    --out "$WORK/multiturn_131k_qwen3.6-35b-a3b.json"
 done
 [[ $parts == *suite* ]] && run suite python3 -m wmtp bench suite --out "$WORK/sweeps_1m" --runs 2 --iters 30 --warmup 3 \
   --k-iters 12 --batch-ladder 1,2 --deadline "$(left)" --resume
