@@ -1,4 +1,5 @@
-"""Greedy token identity of dense / native / windowed on the GPU (Triton backend), tiny models.
+"""Greedy token identity of dense / native / windowed on the GPU (Triton backend), tiny models; also
+native and windowed with the prefix cache, a second pass over the same prompts resuming from it.
 
 fp32 must give zero differing tokens; bf16 is reported (rounding differs between the target's
 batched verify and plain decoding, so near-ties can flip). Writes a JSON table.
@@ -39,18 +40,24 @@ def main() -> None:
     for preset, quant in cases:
         for dtype in ("float32", "bfloat16"):
             model = wmtp.load_model(preset, device="cuda", dtype=dtype, backend="triton", quantize=quant)
-            outs, compiled = {}, {}
-            for mode, ring in (("dense", True), ("native", True), ("windowed", True), ("windowed", False)):
+            outs, compiled, cached = {}, {}, {}
+            for mode, ring, cache in (("dense", True, False), ("native", True, False), ("windowed", True, False),
+                                      ("windowed", False, False), ("native", True, True), ("windowed", True, True)):
                 spec = SpecConfig(mode=mode, num_draft_tokens=1 if mode == "dense" else 5, window=32, sink=4, ring=ring)
-                llm = LLM(model, spec=spec, max_model_len=512, max_num_seqs=8, page_size=a.page_size, prefill_chunk=64)
-                name = f"{mode}{'' if ring else '-noring'}"
+                llm = LLM(model, spec=spec, max_model_len=512, max_num_seqs=8, page_size=a.page_size, prefill_chunk=64,
+                          prefix_cache=cache, prefix_snapshot_interval=1)
+                name = f"{mode}{'' if ring else '-noring'}{'+prefix-cache' if cache else ''}"
+                if cache:  # a first pass fills the cache; the second resumes each prompt from its snapshots
+                    llm.generate(prompts, params)
                 outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
                 compiled[name] = llm.engine.compiled_steps
+                cached[name] = llm.engine.prefix.stats()["hit_tokens"] if cache else 0
             ref = outs["dense"]
             for name, got in outs.items():
                 diff = sum(x != y for g, r in zip(got, ref) for x, y in zip(g, r))
                 rows.append({"preset": preset, "quantize": quant, "dtype": dtype, "mode": name, "differing_tokens": diff,
-                             "tokens": sum(map(len, ref)), "compiled_steps": compiled[name]})
+                             "tokens": sum(map(len, ref)), "compiled_steps": compiled[name],
+                             "cached_prompt_tokens": cached[name]})
                 print(f"{preset:18s} {quant or '':5s} {dtype:9s} {name:17s} differing tokens vs dense: {diff} / {sum(map(len, ref))}")
     from wmtp.bench.step import revision
 

@@ -25,7 +25,7 @@ def test_later_turns_hit_the_cache_and_answers_are_unchanged(mode, tmp_path):
     for r in (off, on):
         assert len(r["ttft_s"]) == 2 and all(len(u) == 3 and min(u) > 0 for u in r["ttft_s"])
         assert all(len(a) == 4 for u in r["answers"] for a in u)
-    assert off["answers"] == on["answers"] and off["cached_tokens"] == 0
+    assert off["answers"] == on["answers"] and off["cached_tokens"] == 0 and on["divergence"] == [None, None]
     # each user's turns 2 and 3 resume at least from the page-aligned document (16-token pages)
     assert on["cached_tokens"] >= 2 * 2 * (300 // 16 * 16)
     from wmtp.analysis.report import build_report
@@ -47,8 +47,28 @@ def test_cache_off_and_on_run_apart_into_one_file(tmp_path):
     assert cli_main(args + ["--cache", "off"]) == 0
     assert [r["prefix_cache"] for r in json.loads(out.read_text())["rows"]] == [False]
     assert cli_main(args + ["--cache", "on"]) == 0
-    off, on = json.loads(out.read_text())["rows"]
+    res = json.loads(out.read_text())
+    off, on = res["rows"]
+    assert [r["command"] for r in res["meta"]["earlier_runs"]] == ["wmtp " + " ".join(args + ["--cache", "off"])]
     assert (off["prefix_cache"], on["prefix_cache"]) == (False, True) and off["answers"] == on["answers"]
     assert on["cached_tokens"] > 0
     assert cli_main(args + ["--cache", "on", "--turns", "2"]) == 0
     assert [r["prefix_cache"] for r in json.loads(out.read_text())["rows"]] == [True]
+
+
+def test_a_changed_answer_is_an_error_in_float32_and_reported_in_bfloat16(capsys):
+    """The first differing token per user (later turns carry the earlier answers, so one flip changes
+    the rest); float32 must match exactly, a 16-bit run reports where its rounding flipped a tie."""
+    from wmtp.bench.multiturn import _check_answers, first_divergence
+    from wmtp.errors import WmtpError
+
+    off = [[[1, 2], [3, 4]], [[5, 6], [7, 8]], [[9, 9], [9, 9]]]
+    on = [[[1, 2], [3, 0]], [[5, 6], [7, 8]], [[0, 9], [0, 0]]]
+    div = first_divergence(off, on)
+    assert div == [[1, 1], None, [0, 0]]
+    rows = [{"answers": off}, {"answers": on, "divergence": div}]
+    with pytest.raises(WmtpError, match=r"user 0: turn 2, token 2; user 2: turn 1, token 1"):
+        _check_answers(rows, "float32")
+    assert _check_answers(rows, "bfloat16") == 0
+    assert "reported, not an error, in bfloat16" in capsys.readouterr().out
+    assert _check_answers([{"answers": off}, {"answers": off, "divergence": first_divergence(off, off)}], "float32") == 0

@@ -273,3 +273,24 @@ def test_bench_ttft_repeat_reuses_the_document(models):
     assert second[:90] == prompt[:90] and all(s != p for s, p in zip(second[90:], prompt[90:]))
     (_, first_cached), (_, cached) = _prefill_seconds(models("tiny-nemotron-h"), "windowed", a, [prompt, second], True)
     assert first_cached == 0 and cached == 64  # the periodic snapshot before the 90 shared tokens
+
+
+def test_bench_ttft_runs_of_other_modes_join_one_file(tmp_path):
+    """A 1M-token prefill per mode takes most of a GPU call's time limit, so ``--modes dense`` and
+    ``--modes windowed`` into one ``--out`` leave one file with both rows; other settings start afresh."""
+    import json
+
+    from wmtp.cli import main as cli_main
+
+    out = tmp_path / "ttft.json"
+    args = ["bench", "ttft", "--preset", "tiny-qwen3.5-moe", "--device", "cpu", "--tokens", "100", "--chunk", "32",
+            "--repeat-suffix", "10", "--snapshot-interval", "2", "--page-size", "16", "--window", "32", "--sink", "8", "-d", "3", "--out", str(out)]
+    assert cli_main(args + ["--modes", "dense"]) == 0
+    assert cli_main(args + ["--modes", "windowed,dense"]) == 0
+    res = json.loads(out.read_text())
+    assert [r["mode"] for r in res["rows"]] == ["windowed", "dense"]
+    assert [r["command"] for r in res["meta"]["earlier_runs"]] == ["wmtp " + " ".join(args + ["--modes", "dense"])]
+    assert all(r["repeat_cached_tokens"] == 64 and r["ttft_s"] > 0 for r in res["rows"])  # the snapshot before 90
+    assert cli_main(args[:-2] + ["--out", str(out), "--modes", "native", "--tokens", "90"]) == 0
+    res = json.loads(out.read_text())
+    assert [r["mode"] for r in res["rows"]] == ["native"] and "earlier_runs" not in res["meta"]

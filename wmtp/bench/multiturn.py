@@ -103,7 +103,7 @@ async def _users(base: str, doc: list[int], a: argparse.Namespace, vocab: int) -
 
 def run_multiturn(a: argparse.Namespace) -> int:
     import wmtp
-    from wmtp.bench.step import _meta, release_pools, weights
+    from wmtp.bench.step import _meta, earlier_run, merged_meta, release_pools, weights
     from wmtp.engine.engine import Engine
     from wmtp.server.app import create_app
 
@@ -115,11 +115,13 @@ def run_multiturn(a: argparse.Namespace) -> int:
     longest = a.doc_tokens + a.turns * (a.question_tokens + a.answer_tokens) + a.d + 8
     spec = _spec(a.mode, a.d, a.window, a.sink)
     settings = {k: getattr(a, k) for k in SETTINGS}
-    rows = _earlier_rows(Path(a.out), settings, a.cache)
+    earlier = None if a.cache == "both" else earlier_run(Path(a.out), "multiturn", settings)
+    rows = [r for r in earlier["rows"] if r["prefix_cache"] != (a.cache == "on")] if earlier else []
     for cache in {"off": (False,), "on": (True,), "both": (False, True)}[a.cache]:
         eng = Engine(model, spec, EngineConfig(max_model_len=longest, max_num_seqs=a.users, page_size=a.page_size,
                                                prefill_chunk=a.chunk, prefix_cache=cache,
                                                decode_graphs=a.decode_graphs))
+        dtype = str(eng.dtype).removeprefix("torch.")  # the activations', which the check below goes by
         with _Served(create_app(eng, None, "bench")) as base:
             turns = asyncio.run(_users(base, doc, a, vocab))
         ttft = [[x for x, _ in u] for u in turns]
@@ -133,28 +135,41 @@ def run_multiturn(a: argparse.Namespace) -> int:
         del eng
         release_pools(model)
     rows.sort(key=lambda r: r["prefix_cache"])  # off, then on
-    if len(rows) == 2 and rows[0]["answers"] != rows[1]["answers"]:  # greedy: the cache must not change a token
-        raise WmtpError("wmtp bench multiturn: the answers with the prefix cache differ from those without it")
-    meta = {**_meta(a, False), "weights": weights(model), "backend": a.backend, "settings": settings,
-            "what": "client-side TTFT of streamed /v1/completions turns; B users concurrently, one document"}
+    if len(rows) == 2:
+        rows[1]["divergence"] = first_divergence(rows[0]["answers"], rows[1]["answers"])
+    meta = merged_meta({**_meta(a, False), "weights": weights(model), "backend": a.backend, "settings": settings,
+                        "what": "client-side TTFT of streamed /v1/completions turns; B users concurrently, one document"},
+                       earlier)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"kind": "multiturn", "schema": 1, "meta": meta, "rows": rows}, indent=1))
     print(f"wrote {a.out}")
+    return _check_answers(rows, dtype)
+
+
+def first_divergence(off: list[list[list[int]]], on: list[list[list[int]]]) -> list[list[int] | None]:
+    """Per user: ``[turn, token]`` of the first answer token that differs between the two runs, else None
+    (every later turn's prompt holds the earlier answers, so one flip changes all that follows)."""
+    out: list[list[int] | None] = []
+    for user_off, user_on in zip(off, on):
+        out.append(next(([t, i] for t, (x, y) in enumerate(zip(user_off, user_on))
+                         for i, (p, q) in enumerate(zip(x, y)) if p != q), None))
+    return out
+
+
+def _check_answers(rows: list[dict], dtype: str) -> int:
+    """Greedy answers must not change with the cache. In float32 a difference is an error; in a 16-bit
+    dtype it is reported: a cached prompt is prefilled from another position (other chunk boundaries,
+    batches of other sizes), whose rounding can flip a near-tie, as batched verification's can
+    (``benchmarks/gpu_identity.py`` checks the cache in float32 on the GPU)."""
+    flips = [(u, d) for u, d in enumerate(rows[-1].get("divergence") or []) if d is not None]
+    if not flips:
+        return 0
+    what = "; ".join(f"user {u}: turn {t + 1}, token {i + 1}" for u, (t, i) in flips)
+    msg = f"wmtp bench multiturn: the answers with the prefix cache differ from those without it ({what})"
+    if dtype == "float32":
+        raise WmtpError(msg)
+    print(f"{msg}: reported, not an error, in {dtype} (float32 must match)")
     return 0
-
-
-def _earlier_rows(out: Path, settings: dict, cache: str) -> list[dict]:
-    """With ``--cache off`` or ``on``: the other setting's row from an earlier run into ``out`` with
-    the same settings (a run of both can exceed one call's time limit at long documents), else none."""
-    if cache == "both" or not out.exists():
-        return []
-    try:
-        old = json.loads(out.read_text())
-    except json.JSONDecodeError:
-        return []
-    if old.get("kind") != "multiturn" or old.get("meta", {}).get("settings") != settings:
-        return []
-    return [r for r in old["rows"] if r["prefix_cache"] != (cache == "on")]
 
 
 def add_args(sub: argparse._SubParsersAction) -> None:

@@ -279,6 +279,25 @@ def _meta(a: argparse.Namespace, synthetic: bool, runs: int = 1) -> dict:
     }
 
 
+def earlier_run(out: Path, kind: str, settings: dict) -> dict | None:
+    """The results of an earlier run of ``kind`` into ``out`` with the same ``settings`` (one measurement
+    split over calls under a time limit: each writes its part, the last holds all), else None."""
+    try:
+        old = json.loads(out.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return old if old.get("kind") == kind and old.get("meta", {}).get("settings") == settings else None
+
+
+def merged_meta(meta: dict, earlier: dict | None) -> dict:
+    """``meta`` of this run, naming the earlier runs whose rows the file keeps (command, commit, date)."""
+    if earlier is None:
+        return meta
+    old = earlier["meta"]
+    runs = old.get("earlier_runs", []) + [{k: old.get(k) for k in ("command", "commit", "date")}]
+    return {**meta, "earlier_runs": runs}
+
+
 def step_bandwidth(device: torch.device) -> dict:
     """The read bandwidth the step floors divide by (``floor.measure_bandwidth``), reported."""
     from wmtp.bench.floor import measure_bandwidth
@@ -370,14 +389,25 @@ def repeat_prompt(prompt: list[int], suffix: int, vocab_size: int) -> list[int]:
     return prompt[:-suffix] + other.tolist()
 
 
+#: what must match for a run's rows to join an earlier run's of other modes in one ``--out``
+TTFT_SETTINGS = ("preset", "tokens", "chunk", "repeat_suffix", "snapshot_interval", "d", "window", "sink", "page_size",
+                 "dtype", "tensor_parallel_size")
+
+
 def run_ttft(a: argparse.Namespace, tp: TPGroup | None = None) -> int:
+    """One prefill per mode (and the repeat with another suffix). Rows of other modes that an earlier
+    run with the same settings wrote into ``--out`` are kept: the modes of a 1M-token prompt each
+    take most of one call's time limit on the GPU machine."""
     import wmtp
 
     model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend, tp=tp)
     prompt = torch.randint(1, model.config.vocab_size, (a.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     warm = min(a.tokens, 2 * a.chunk + 1)
-    rows = []
-    for mode in a.modes.split(","):
+    modes = a.modes.split(",")
+    settings = {k: getattr(a, k, None) for k in TTFT_SETTINGS}
+    earlier = earlier_run(Path(a.out), "ttft", settings)
+    rows = [r for r in earlier["rows"] if r["mode"] not in modes] if earlier else []
+    for mode in modes:
         # untimed first: Triton compiles and fla autotunes per shape class on first use, which
         # would otherwise land in whichever mode runs first
         _prefill_seconds(model, mode, a, [prompt[:warm]])
@@ -394,9 +424,9 @@ def run_ttft(a: argparse.Namespace, tp: TPGroup | None = None) -> int:
         print(f"[{mode:8s}] TTFT of a {a.tokens}-token prompt: {row['ttft_s']:.2f} s{repeat}", flush=True)
     from wmtp.kernels.gdn import fla_available
 
-    gdn = "flash-linear-attention chunked" if fla_available(torch.device("cuda")) else "PyTorch reference"
-    result = {"kind": "ttft", "schema": 1, "meta": {**_meta(a, False), "weights": weights(model), "backend": a.backend,
-                                                    "gdn_prefill": gdn}, "rows": rows}
+    gdn = "flash-linear-attention chunked" if fla_available(torch.device(a.device)) else "PyTorch reference"
+    meta = {**_meta(a, False), "weights": weights(model), "backend": a.backend, "gdn_prefill": gdn, "settings": settings}
+    result = {"kind": "ttft", "schema": 1, "meta": merged_meta(meta, earlier), "rows": rows}
     if tp is None or tp.rank == 0:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=1))
@@ -473,7 +503,7 @@ def run(a: argparse.Namespace) -> int:
     if on_gpu and not torch.cuda.is_available():
         raise WmtpError(f"--device={a.device}: no CUDA device here (use --device cpu with a tiny preset)")
     # what times GPU kernels or queries GPU memory
-    needs_gpu = ["ttft"] if a.bench == "ttft" else [o for o in ("kernels", "admission") if getattr(a, o, False)]
+    needs_gpu = [o for o in ("kernels", "admission") if getattr(a, o, False)]
     if needs_gpu and not on_gpu:
         raise WmtpError(f"wmtp bench {a.bench}: {', '.join(needs_gpu)} needs a CUDA device (--device={a.device})")
     a.backend = default_backend(a.device) if a.backend == "auto" else a.backend
