@@ -33,6 +33,11 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 500) for _ in range(rng.choice([5, 40, 120, 300]))] for _ in range(a.prompts)]
     params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
+    from wmtp.bench.step import revision
+
+    meta = {"hardware": torch.cuda.get_device_name(), "backend": "triton", "window": 32, "sink": 4, "d": 5,
+            "page_size": a.page_size, "commit": revision(), "command": "python benchmarks/gpu_identity.py " + " ".join(
+                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items())}
     rows = []
     presets = a.presets.split(",")
     cases = [(p, None) for p in presets]
@@ -59,13 +64,8 @@ def main() -> None:
                              "tokens": sum(map(len, ref)), "compiled_steps": compiled[name],
                              "cached_prompt_tokens": cached[name]})
                 print(f"{preset:18s} {quant or '':5s} {dtype:9s} {name:17s} differing tokens vs dense: {diff} / {sum(map(len, ref))}")
-    from wmtp.bench.step import revision
-
-    meta = {"hardware": torch.cuda.get_device_name(), "backend": "triton", "window": 32, "sink": 4, "d": 5,
-            "page_size": a.page_size, "commit": revision(), "command": "python benchmarks/gpu_identity.py " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items())}
-    with open(a.out, "w") as f:
-        json.dump({"kind": "gpu_identity", "meta": meta, "rows": rows}, f, indent=1)
+            with open(a.out, "w") as f:  # after every model: a run cut short by a time limit keeps what it did
+                json.dump({"kind": "gpu_identity", "meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 # Together longer than one 10-minute device call: pick with PARTS (comma-separated names below)
 # and the models of step / ttft / seats with PRESETS (comma-separated preset names), the formats
 # whose decode kernels' tiles are swept with QTUNE (nvfp4,fp8), the tiny presets of identity with
-# IDENTITY (default: all), the multi-turn runs with MULTITURN (off,on); the suite
+# IDENTITY (default: all), the multi-turn runs with MULTITURN (off,on), the 1M prefix-cache TTFT modes with
+# TTFT1M (dense,native,windowed); the suite
 # resumes from $WORK (kept on the machine between calls); every part stops by $DEADLINE seconds.
 #   run from the repo root with WMTP_COMMIT set to the commit the tree holds; everything lands in
 #   $OUT/results.tgz (+ log.txt), refreshed after each part. Pure-Python wheels in .whl/ (fla-core)
@@ -53,6 +54,12 @@ for p in "${presets[@]}"; do
   [[ $parts == *kvfp8* ]] && run "kv fp8 $p" python3 -m wmtp bench step --preset "$p" --context 1040000 -d 7 --iters 60 \
     --modes dense,dense:kv-fp8,native,native:kv-fp8,windowed,windowed:kv-fp8 --admission \
     --out "$WORK/step_1m_kv_fp8_$p.json"
+done
+# a 1.04M-token prompt and another sharing all but its last 200 tokens, one mode per call (TTFT1M, comma-separated;
+# each takes about 5 minutes with the model load), merged into one file
+for m in ${TTFT1M//,/ }; do
+  run "ttft 1m $m" python3 -m wmtp bench ttft --tokens 1040000 --repeat-suffix 200 --chunk 16384 --modes "$m" \
+    --out "$WORK/prefix_ttft_1m_qwen3.6-35b-a3b.json"
 done
 # the multi-turn serving run needs the serve extra's wheels in .whl/ (fastapi, starlette, uvicorn, httpx and
 # their dependencies); cache off and on in separate calls, merged into one file

@@ -140,7 +140,8 @@ def _rows_diff(rng):
 
 
 def _rows_ttft(rng):
-    return [{"mode": m, "tokens": 131072, "chunk": 8192, "ttft_s": rng.uniform(5, 8)} for m in ("native", "windowed")]
+    return [{"mode": m, "tokens": 131072, "chunk": 8192, "ttft_s": rng.uniform(5, 8), "repeat_suffix": 200,
+             "repeat_ttft_s": 0.6, "repeat_cached_tokens": 122880} for m in ("native", "windowed")]
 
 
 def _rows_peer(rng):
@@ -171,7 +172,8 @@ def _rows_adaptive_depth(rng):
 def _rows_multiturn(rng):
     return [{"mode": "windowed", "prefix_cache": cache, "users": 4, "turns": 3, "doc_tokens": 131072,
              "ttft_s": [[rng.uniform(0.9, 1.1) * (6.0 if t == 0 or not cache else 0.6) for t in range(3)] for _ in range(4)],
-             "mean_ttft_s_per_turn": [6.0] + [0.6 if cache else 6.0] * 2, "cached_tokens": 786432 if cache else 0}
+             "mean_ttft_s_per_turn": [6.0] + [0.6 if cache else 6.0] * 2, "cached_tokens": 786432 if cache else 0,
+             **({"divergence": [None, [1, 4], None, None]} if cache else {})}
             for cache in (False, True)]
 
 

@@ -273,6 +273,7 @@ def test_report_every_section(tmp_path):
                   "Window-size sweep", "Pareto", "Memory", "Acceptance profiles", "Decision-invariance", "Greedy output diff",
                   "wmtp against vLLM", "vLLM mtp / wmtp windowed TPOT", "Adaptive draft depth",
                   "Multi-turn serving with the prefix cache", "6.000 s without the cache, 0.600 s with it (10.0x)",
+                  "first differing token user 1: turn 2, token 5", "| 200 | 0.60 | 122880 |",
                   "fp8 KV cache: logits", "1 / 512"):
         assert title in text, title
     assert "nothing: every kind is present" in text and "not part of this report (no kind it renders): `other.json`" in text

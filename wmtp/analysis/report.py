@@ -302,9 +302,13 @@ def section_step(rep: Report, f: ResultFile) -> None:
 
 
 def section_ttft(rep: Report, f: ResultFile) -> None:
-    """One prefill per mode (a single run: the ``ttft_s`` value is a number, not a list)."""
-    rep.table(["mode", "prompt tokens", "chunk", "TTFT s"],
-              [[r["mode"], r["tokens"], r.get("chunk", "–"), fmt(r["ttft_s"])] for r in f.rows])
+    """One prefill per mode (a single run: the ``ttft_s`` value is a number, not a list), and with
+    ``--repeat-suffix`` the second prompt's, served from the prefix cache."""
+    repeat = any("repeat_ttft_s" in r for r in f.rows)
+    rep.table(["mode", "prompt tokens", "chunk", "TTFT s"] + (["other suffix", "its TTFT s", "tokens cached"] if repeat else []),
+              [[r["mode"], r["tokens"], r.get("chunk", "–"), fmt(r["ttft_s"])]
+               + ([r.get("repeat_suffix", "–"), fmt(r.get("repeat_ttft_s")), r.get("repeat_cached_tokens", "–")]
+                  if repeat else []) for r in f.rows])
     by = {r["mode"]: r["ttft_s"] for r in f.rows}
     if "native" in by and "windowed" in by:
         rep.add(f"- native / windowed TTFT = {by['native'] / by['windowed']:.3f} (the windowed draft prefill writes "
@@ -323,6 +327,11 @@ def section_multiturn(rep: Report, f: ResultFile) -> None:
         off, on = (sum(by[c]) / len(by[c]) for c in (False, True))
         rep.add(f"- turns after the first: mean TTFT {off:.3f} s without the cache, {on:.3f} s with it "
                 f"({off / on:.1f}x)", "")
+    div = next((r["divergence"] for r in f.rows if r.get("divergence") is not None), None)
+    if div is not None:
+        where = [f"user {u}: turn {d[0] + 1}, token {d[1] + 1}" for u, d in enumerate(div) if d is not None]
+        rep.add("- answers with the cache: " + ("identical to those without it" if not where else
+                "first differing token " + "; ".join(where) + f" ({f.meta['dtype']})"), "")
 
 
 def section_kv_logits(rep: Report, f: ResultFile) -> None:
