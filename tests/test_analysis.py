@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -276,6 +277,8 @@ def test_report_every_section(tmp_path):
                   "first differing token user 1: turn 2, token 5", "| 200 | 0.60 | 122880 |",
                   "fp8 KV cache: logits", "1 / 512"):
         assert title in text, title
+    assert re.search(r"\| hard \|.*\| d2 \| (\d\.\d{3}) \| \1 \|", text)  # adaptive depth: per-round ratio
+    assert re.search(r"\| easy \|.*\| d\d \| \d\.\d{3} \| – \|", text)  # no rounds recorded
     assert "nothing: every kind is present" in text and "not part of this report (no kind it renders): `other.json`" in text
     assert "FAKE (test data)" in text and "Synthetic context" in text
     names = {p.name for p in rep.pngs}

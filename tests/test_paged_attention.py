@@ -131,6 +131,26 @@ def test_prefill_tile_fp32(page):
     _compare(case, atol=1e-4, max_rows=128, block_n=64, num_warps=8, num_stages=2)
 
 
+@pytest.mark.parametrize("heads,q_len,page", [(16, 9, 8), (16, 9, 64), (32, 7, 8), (32, 5, 64)])
+def test_wide_verify_reads_keys_once(heads, q_len, page, monkeypatch):
+    """Verify rows past 64 (next_pow2(q_len) x GQA group: d = 9 at 16 q / 2 KV heads, d = 5..8 at
+    32 / 2) run as one 128-row query block per request and KV head, not two that each read every
+    key; the result is the twin's (general loop over pages of 8, whole 64-key tiles)."""
+    import wmtp.kernels.paged_attention as pa
+
+    grids, kernel = [], pa._attn_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(pa, "_attn_split_kernel", Spy())
+    case = _case(7, heads, 2, 16, q_lens=[q_len, 1], starts=[150, 60], windows=[None, None], ring=False, page=page)
+    _compare(case, splits=2)
+    assert grids[0][:2] == (2, 2)  # (requests x query blocks, KV heads): one block each
+
+
 @pytest.mark.parametrize("block_n,num_warps,num_stages", [(16, 4, 1), (32, 8, 3)])
 def test_launch_overrides_keep_the_result(block_n, num_warps, num_stages):
     """The tuning knobs change tiling only: the split boundaries follow BLOCK_N, the numbers do not."""
@@ -298,6 +318,10 @@ def test_bf16_real_head_dims_gpu(dim):
     path's verify launch), a prefill chunk (the [128, 256] prefill tile at head_dim 256), the draft ring."""
     for page in (16, 64):
         case = _case(4, 16, 2, dim, q_lens=[7, 1], starts=[5000, 300], windows=[None, None], ring=False, page=page,
+                     dtype=torch.bfloat16)
+        _compare(case, atol=2e-2)
+    for q_lens in ([9, 1], [9, 9]):  # the wide verify tile (16 query rows x the group of 8)
+        case = _case(7, 16, 2, dim, q_lens=q_lens, starts=[5000, 300], windows=[None, None], ring=False, page=64,
                      dtype=torch.bfloat16)
         _compare(case, atol=2e-2)
     for page in (16, 64):

@@ -156,6 +156,39 @@ def _check_cached_run(model, mode: str, ring: bool, monkeypatch: pytest.MonkeyPa
     assert (mode == "dense") == (not got_log)
 
 
+@pytest.mark.parametrize("preset,mode,ring", [("tiny-qwen3.5-moe", "windowed", True), ("tiny-nemotron-h", "native", True),
+                                              ("tiny-llama", "dense", True)])
+def test_requests_sent_together_prefill_their_document_once(preset, mode, ring, models):
+    """Three users send one 90-token document with their own questions in the same step, and an
+    unrelated prompt comes with them: the later two users wait until the first has prefilled past
+    the snapshot at 64 (any page, 88, for the attention-only target) and resume there, with the
+    tokens they get without the cache; the unrelated prompt waits behind them only in arrival order.
+    With prefill chunks longer than the shared prefix nobody waits."""
+    rng = random.Random(1)
+    doc = _tokens(rng, 90)
+    prompts = [doc + _tokens(rng, 20), doc + _tokens(rng, 9), _tokens(rng, 40), doc + _tokens(rng, 30)]
+    runs = []
+    for cache in (False, True):
+        engine = _engine(models(preset), mode, ring, cache)
+        ids = [engine.add_request(p, GREEDY) for p in prompts]
+        engine.step()
+        admitted = [engine.requests[i].status != engine.requests[i].status.WAITING for i in ids]
+        while engine.has_unfinished():
+            engine.step()
+        runs.append(([engine.requests[i].tokens for i in ids], [engine.requests[i].metrics.cached_tokens for i in ids],
+                     admitted))
+    (want, _, together), (got, cached, first) = runs
+    assert got == want
+    resume = 88 if preset == "tiny-llama" else 64
+    assert cached == [0, resume, 0, resume], cached
+    assert together == [True] * 4 and first == [True, False, False, False]
+    # a shared prefix shorter than one prefill chunk is computed again rather than waited for
+    engine = _engine(models(preset), mode, ring, True, prefill_chunk=128)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    engine.step()
+    assert all(engine.requests[i].status != engine.requests[i].status.WAITING for i in ids)
+
+
 def test_lru_eviction_spares_held_pages_and_admission_counts_added_pages(models):
     """12 pages of 8 tokens, an attention-only dense target (it resumes at any cached page). X, then
     Y leave 5 pages each in the cache; Z shares X's first 4 and is admitted with 2 free pages, the 2

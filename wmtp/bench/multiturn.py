@@ -4,8 +4,9 @@ the OpenAI server (``/v1/completions``, streamed) to B users at once, with the p
 Every user's first turn sends the document and a question; turn t sends the document, that user's
 earlier questions and the server's answers, and a new question (random token ids, seeded by user and
 turn, identical in both runs). TTFT is the client's time from sending a request to its first streamed
-token. With the cache, a first turn reuses the document another user's request left (page granular,
-from the deepest recurrent-state snapshot), and turn t reuses turn t - 1's prompt. ``--cache off``
+token. With the cache, a first turn resumes from the document another user's request prefilled
+(page granular, from the deepest recurrent-state snapshot; the users' first requests arrive at once,
+so all but one wait for that prefill), and turn t reuses turn t - 1's prompt. ``--cache off``
 and ``--cache on`` may run apart (each under one call's time limit) into one file. The serve extra
 (fastapi, uvicorn, httpx) must be installed where it runs.
 """

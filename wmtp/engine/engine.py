@@ -63,6 +63,9 @@ class Request:
     finish_reason: str | None = None
     new_tokens: list[int] = field(default_factory=list)  # emitted since the last step() (streaming)
     reported: bool = False  # its finish went out in a StepOutput
+    # while waiting: per prefilling request id, the point this prompt could resume from once that
+    # request's prefill passes it (``PrefixCache.resume_point``; fixed per pair, so computed once)
+    resume_after: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_generated(self) -> int:
@@ -205,6 +208,8 @@ class Engine:
         prefix-cache hit resumes the prefill at its snapshot with h of the position before it."""
         while self.waiting:
             req = self.waiting[0]
+            if self._awaits_prefix(req):
+                break
             got = self.prefix.admit(req.id, req.prompt, len(req.prompt) + req.params.max_tokens)
             if got is None:
                 break
@@ -220,6 +225,24 @@ class Engine:
             req.page_rows = (rows[0], rows[1])
             req.status = Status.PREFILL
             self.running.append(req)
+
+    def _awaits_prefix(self, req: Request) -> bool:
+        """Whether ``req`` waits for a prefilling request to pass a prefix they share, so that it
+        resumes from those pages and snapshot instead of computing them again: B users sending one
+        document at once prefill it once (SGLang's in-batch prefix caching does the same). The wait
+        ends within that request's prefill, which the waiting one does not delay. A prefix shorter
+        than one prefill chunk is not waited for: computing it again costs less than a step."""
+        if not self.prefix.enabled:
+            return False
+        for other in self.running:
+            if other.status != Status.PREFILL:
+                continue
+            if other.id not in req.resume_after:
+                point = self.prefix.resume_point(other.prompt, req.prompt)
+                req.resume_after[other.id] = point if point >= self.eng.prefill_chunk else 0
+            if other.prefilled < req.resume_after[other.id]:
+                return True
+        return False
 
     # ---- contexts ------------------------------------------------------------------------------
     def _target_ctx(self, reqs: list[Request], starts: list[int], lens: list[int], record: bool = False) -> ForwardContext:

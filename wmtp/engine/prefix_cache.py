@@ -36,6 +36,11 @@ Invariants:
   is always a leaf. Eviction takes only nodes with refs 0: never a page a running request reads.
 - Admission counts only the pages a request adds: its worst case less the shared pages, against
   the free pages plus those eviction can free (the hit's own nodes excluded).
+
+Requests that arrive together. A waiting request whose prompt shares a prefix with a request still
+prefilling it is admitted only once that prefill has passed the deepest point it could resume from
+(``resume_point``; the engine's ``_awaits_prefix``), so a document sent by several users at once is
+prefilled once; a prefix shorter than one prefill chunk is computed again rather than waited for.
 """
 
 from __future__ import annotations
@@ -131,6 +136,19 @@ class PrefixCache:
         while self.needs_snapshot and nodes and nodes[-1].snapshot is None:
             nodes.pop()
         return nodes
+
+    def resume_point(self, other: list[int], prompt: list[int]) -> int:
+        """The deepest point ``prompt`` can resume from once a request prefilling ``other`` has passed
+        it: within their common full pages (at most len(prompt) - 1 tokens, as ``_match``), the last of
+        ``other``'s snapshot boundaries, or the last common page where a resume needs only KV."""
+        ps, k = self.page, 0
+        limit = min(len(other), len(prompt) - 1) // ps
+        while k < limit and other[k * ps : (k + 1) * ps] == prompt[k * ps : (k + 1) * ps]:
+            k += 1
+        shared = k * ps
+        if not self.needs_snapshot or self._is_boundary(len(other), shared):
+            return shared
+        return shared // self.interval * self.interval
 
     def _key(self, parent: _Node | None, prompt: list[int], k: int) -> Key:
         return (-1 if parent is None else parent.id, tuple(prompt[k * self.page : (k + 1) * self.page]))

@@ -410,7 +410,12 @@ def paged_attention(
     block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs >= 16 along K
     group = H // n_kv
     group_p = triton.next_power_of_2(group)
-    max_rows = max_rows or (128 if prefill_tile else 64)
+    # decode / verify rows past one 64-row tile (next_pow2(q_len) x group: d > 8 at 16 q / 2 KV heads,
+    # d > 4 at 32 / 2) take one 128-row tile: two 64-row query blocks would each read every K / V tile
+    # (fp32 K / V at head_dim 256 excepted: such tiles overflow shared memory)
+    wide_verify = (not prefill and triton.next_power_of_2(meta.max_q_len) * group_p > 64
+                   and (k_cache.element_size() <= 2 or block_d < 256))
+    max_rows = max_rows or (128 if prefill_tile or wide_verify else 64)
     block_q = max(1, min(triton.next_power_of_2(meta.max_q_len), max(1, max_rows // group_p)))
     if block_q * group_p < 16:  # tl.dot needs >= 16 rows: pad the query block
         block_q = 16 // group_p
@@ -420,9 +425,10 @@ def paged_attention(
     big_tile = block_d >= 256 and block_q * group_p >= 64
     # no window and no ring: keys are positions, so tiles of whole pages take the contiguous path
     plain_pages = not meta.ring and not meta.may_window
-    if big_tile and block_n is None and prefill_tile:
+    if big_tile and block_n is None and (prefill_tile or block_q * group_p > 64):
         # [128, 256] query rows over 64-key tiles, 8 warps: 21.1 against 24.2 ms for the [64, 256]
-        # decode tile (8192 queries over 73,728 keys on the H200; benchmarks/tune_attention.py)
+        # decode tile (8192 queries over 73,728 keys on the H200; benchmarks/tune_attention.py);
+        # a wide verify takes the same tile
         block_n, num_warps, num_stages = 64, num_warps or 8, num_stages or 2
     elif big_tile and block_n is None and plain_pages and meta.page_size % 64 == 0 and k_cache.element_size() <= 2:
         # a [64, 256] fp32 accumulator over whole pages (16- or 8-bit K / V: three stages of 64-key
@@ -437,6 +443,7 @@ def paged_attention(
         # 1.02 ms for 7 verify queries over 1.04M keys; tune_attention / attention_insitu)
         block_n, num_warps, num_stages = 32, num_warps or 4, num_stages or 2
     block_n = block_n or 64
+    num_warps = num_warps or (8 if block_q * group_p > 64 else None)  # the accumulator's registers, as at 64 rows
     max_splits = max(1, math.ceil(meta.max_keys / block_n))
     num_splits = num_splits or meta.num_splits
     if num_splits is None:
