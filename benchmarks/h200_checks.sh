@@ -67,16 +67,20 @@ for c in ${MULTITURN//,/ }; do
   run "multiturn cache $c" python3 -m wmtp bench multiturn --doc-tokens 131072 --users 4 --turns 8 --cache "$c" \
     --out "$WORK/multiturn_131k_qwen3.6-35b-a3b.json"
 done
-# the verify tile past 64 rows: 64- against 128-row tiles at 8 and 9 verify queries (16 / 2 heads) and at 7
-# (32 / 2 heads, the 122B and 120B shape), then the depth sweep d = 2..9 at 1.04M
-if [[ $parts == *cliff* ]]; then
+# the verify tile past 64 rows (rows): 64- against 128-row tiles at 8 and 9 verify queries (16 / 2 heads) and at 7
+# (32 / 2 heads, the 122B and 120B shape); the adaptive depth replaying the CPU sweep's acceptance traces (replay);
+# the depth sweep d = 2..9 at 1.04M (depth)
+if [[ $parts == *rows* ]]; then
   run "tune attention rows" python3 benchmarks/tune_attention.py --q-lens 8,9 --rows 64,128 --block-n 32,64 \
     --warps 4,8 --stages 2,3 --out "$WORK/tune_attention_rows.json"
   run "tune attention rows 32 heads" python3 benchmarks/tune_attention.py --q-lens 7 --heads 32 --rows 64,128 \
     --block-n 32,64 --warps 4,8 --stages 2,3 --out "$WORK/tune_attention_rows_32h.json"
-  run "depth sweep" python3 -m wmtp bench suite --sweeps depth --out "$WORK/sweeps_1m_depth" --runs 2 --iters 30 \
-    --warmup 3 --deadline "$(left)" --resume
 fi
+[[ $parts == *replay* ]] && run "depth replay" python3 -m wmtp bench depth-replay \
+  --traces benchmarks/results/acceptance/depth_traces.json --context 1040000 --depths auto,2,7,3,4,5,6,8 \
+  --out "$WORK/depth_replay_1m_qwen3.6-35b-a3b.json"
+[[ $parts == *depth* ]] && run "depth sweep" python3 -m wmtp bench suite --sweeps depth --out "$WORK/sweeps_1m_depth" \
+  --runs 2 --iters 30 --warmup 3 --deadline "$(left)" --resume
 [[ $parts == *suite* ]] && run suite python3 -m wmtp bench suite --out "$WORK/sweeps_1m" --runs 2 --iters 30 --warmup 3 \
   --k-iters 12 --batch-ladder 1,2 --deadline "$(left)" --resume
 [[ $parts == *batch* ]] && run batch python3 -m wmtp bench suite --out "$WORK/sweeps_131k" --sweeps batch \
