@@ -220,6 +220,30 @@ def test_every_depth_on_the_static_iteration():
     assert overlapped[0] == run("off", False, None)[0] and len(set(overlapped[2].engine.metrics.gammas)) > 1
 
 
+@pytest.mark.whole_tiles
+def test_probes_run_on_the_overlapped_static_iteration():
+    """Overlapped static iterations: a probe needs another graph set, so the iteration in flight is
+    collected first, and then the probe itself runs (it is not chosen, dropped and replaced by the
+    best on a second choice). Every choice runs, in order; at most the last, launched past the end,
+    is not recorded."""
+    pytest.importorskip("triton")
+    from wmtp.bench.synthetic import force_acceptance
+
+    spec = SpecConfig(mode="windowed", num_draft_tokens="auto", max_draft_tokens=4, window=8, sink=2)
+    llm = LLM(tiny_model("tiny-qwen3-next", backend="triton"), spec=spec, max_model_len=128, max_num_seqs=1,
+              page_size=8, prefill_chunk=32, decode_graphs="eager", overlap=True)
+    ctl, chosen = llm.engine.depth, []
+    ctl.probe_every = 3
+    choose = ctl.choose
+    ctl.choose = lambda requests, pooled: chosen.append(choose(requests, pooled)) or chosen[-1]
+    force_acceptance(llm.engine, 0)  # nothing accepted: γ = 0 is best, its probe γ = 1
+    llm.generate([[3, 9, 27, 81, 243]], SamplingParams(max_tokens=48, ignore_eos=True))
+    run = llm.engine.metrics.gammas
+    assert run == chosen[: len(run)] and len(chosen) - len(run) <= 1
+    after = run[len(run) // 2 :]  # past calibration
+    assert 0 in after and 1 in after
+
+
 def test_auto_config_and_cli():
     s = SpecConfig(mode="windowed", num_draft_tokens="auto")
     assert s.adaptive and s.num_draft_tokens == 8 and s.gamma == 7 and s.ring_size == 64 + 4032 + 8

@@ -5,9 +5,9 @@ A trace is a list of acceptance run lengths r_i: iteration i of a real decode ac
 in a row (recorded at a fixed depth γ_rec, so censored at γ_rec; ``scripts/depth_sweep.py`` writes
 them from SmolLM2's real decodes). Replayed through forced acceptance (DESIGN §6), iteration i of
 a run at depth γ accepts min(r_i, γ): the same acceptance process at every depth, with the real
-model's costs of the preset at S tokens. Per config: an untimed pass over the trace on one
-request (graphs captured, the controller's time tables filled: a server's warm state), then the
-timed pass on a fresh request; TPOT = wall time / tokens emitted, T_iter = wall time / iterations.
+model's costs of the preset at S tokens. Per config: an untimed pass over every trace, each on one
+request (every graph set the config will use captured, the controller's time tables filled: a
+server's warm state), then each trace's timed pass on a fresh request; TPOT = wall time / tokens emitted, T_iter = wall time / iterations.
 The adaptive controller sees only the accepted counts, never the trace.
 """
 
@@ -60,7 +60,8 @@ def _pass(eng: Engine, context: int, trace: list[int], seed: int) -> dict:
 
 
 def replay(model, spec: SpecConfig, traces: dict[str, list[int]], a: argparse.Namespace) -> list[dict]:
-    """Every trace under one engine of ``spec``: warm pass, timed pass, one row per trace."""
+    """Every trace under one engine of ``spec``: all warm passes, then the timed ones (so no timed
+    pass captures a graph set a later warm pass would have), one row per trace."""
     from wmtp.bench.step import release_pools
     from wmtp.bench.synthetic import randomize_pools
 
@@ -69,8 +70,9 @@ def replay(model, spec: SpecConfig, traces: dict[str, list[int]], a: argparse.Na
                                            max_num_seqs=1, page_size=a.page_size, decode_graphs=a.decode_graphs))
     randomize_pools(eng)
     rows = []
-    for i, (name, trace) in enumerate(traces.items()):
+    for i, trace in enumerate(traces.values()):
         _pass(eng, a.context, trace, seed=2 * i)
+    for i, (name, trace) in enumerate(traces.items()):
         r = _pass(eng, a.context, trace, seed=2 * i + 1)
         label = "auto" if spec.adaptive else f"d{spec.num_draft_tokens}"
         row = {"config": label, "mode": spec.mode, "trace": name, "S": a.context, "d_max": spec.num_draft_tokens,
@@ -121,8 +123,8 @@ def run_depth_replay(a: argparse.Namespace) -> int:
              for d in tokens]  # in the order given
     meta = {**_meta(a, True), "weights": weights(model), "backend": a.backend, "traces": a.traces,
             "trace_gamma": gamma_rec, "decode_graphs": a.decode_graphs,
-            "what": "forced acceptance min(r_i, γ) replaying recorded run lengths r_i; a warm untimed pass per "
-                    "trace, then the timed pass on a fresh request"}
+            "what": "forced acceptance min(r_i, γ) replaying recorded run lengths r_i; an untimed pass over every "
+                    "trace, then each trace's timed pass on a fresh request"}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for spec in specs:  # written after every config: a run cut short keeps what it measured

@@ -352,17 +352,20 @@ class Engine:
         return self.depth.choose([r.metrics.positions for r in reqs], self.metrics.positions)
 
     def _iteration(self, reqs: list[Request]) -> None:
-        while True:
-            gamma = self._choose_gamma(reqs)
-            graphs = self._decode_graphs(reqs, gamma)
-            if self._inflight is None or (graphs is not None and self._inflight.graphs is graphs):
-                break
-            # another graph set (a new depth) or the eager path: collect the iteration in flight
-            # first; it may finish requests of this batch, and the depth is chosen again after it
+        gamma = self._choose_gamma(reqs)
+        graphs = self._decode_graphs(reqs, gamma)
+        if self._inflight is not None and (graphs is None or self._inflight.graphs is not graphs):
+            # another graph set (a probe, a new depth) or the eager path: collect the iteration in
+            # flight first. The chosen γ stands, so a probe is run rather than chosen and dropped;
+            # only a batch that the collected iteration shrank is chosen for again.
             self._drain()
-            reqs = [r for r in reqs if r.status == Status.DECODE]
-            if not reqs:
+            live = [r for r in reqs if r.status == Status.DECODE]
+            if not live:
                 return
+            if len(live) != len(reqs):
+                reqs = live
+                gamma = self._choose_gamma(reqs)
+                graphs = self._decode_graphs(reqs, gamma)
         if graphs is not None:
             return self._iteration_static(reqs, graphs)
         self._drain()
