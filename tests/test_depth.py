@@ -138,6 +138,25 @@ def test_controller_probes_the_depths_it_does_not_choose():
     assert chosen[-4:] == [7, 7, 7, 6]  # the probes' evidence moved the best to γ_max; probes then go below
 
 
+def test_controller_at_zero_probes_one_every_few_iterations():
+    """At γ = 0 no acceptance is observed, so γ = 1 is probed every ZERO_PROBE_EVERY-th choice
+    (not every PROBE_EVERY-th, as off any other best)."""
+    from wmtp.engine.depth import PROBE_EVERY, ZERO_PROBE_EVERY
+
+    def choices(accepted: int, n: int) -> list[int]:
+        ctl = DepthController(max_gamma=7)
+        for g in (7,) * 4 + (1,) * 4 + (0,) * 2:
+            ctl.record(1, g, 10.0 + 3.0 * g)
+        counts = PositionCounts(7)
+        for _ in range(5):
+            counts.record(7, accepted)
+        return [ctl.choose([counts], counts) for _ in range(n)]
+
+    assert ZERO_PROBE_EVERY < PROBE_EVERY
+    assert choices(0, 3 * ZERO_PROBE_EVERY) == ([0] * (ZERO_PROBE_EVERY - 1) + [1]) * 3
+    assert set(choices(7, PROBE_EVERY - 1)) == {7}
+
+
 def _auto_llm(preset: str, mode: str, ring: bool, d_max: int, batch: int, **spec) -> LLM:
     s = SpecConfig(mode=mode, num_draft_tokens="auto", max_draft_tokens=d_max, window=W, sink=SINK, ring=ring, **spec)
     return LLM(preset, spec=s, max_model_len=256, max_num_seqs=batch, page_size=8, prefill_chunk=37)

@@ -19,6 +19,9 @@ of the batch, Σ_b E_b[tokens | γ] / T(γ):
   learnt about acceptance; a depth whose one sample was slow would never be timed again), so every
   ``PROBE_EVERY``-th iteration of a batch size runs one depth off the best, above and below in
   turn: a bounded cost that keeps both tables current as the context and the acceptance drift.
+  While γ = 0 is best, every ``ZERO_PROBE_EVERY``-th runs γ = 1: a request whose first drafts were
+  rejected would otherwise sit at γ = 0 for ``PROBE_EVERY`` iterations per new trial, while the
+  probes cost T(1) − T(0) (one more verify token) on a quarter of the iterations.
 
 The batch takes one γ: the verify reads every weight once for the whole batch, so its cost is set
 by the widest request, and graphs are captured per (batch size, γ); a per-request mask would save
@@ -38,6 +41,7 @@ FIRST_PRIOR = 0.5  # α_1 before any trial anywhere
 KEEP_SAMPLES = 16  # recent iteration times per (batch size, γ): the median follows a growing context
 CALIBRATION_SAMPLES = 3  # warm samples per calibration depth: a median that one slow iteration cannot move
 PROBE_EVERY = 32  # one iteration in this many runs a neighbouring depth (exploration)
+ZERO_PROBE_EVERY = 4  # ... and one in this many while γ = 0 is best, where nothing else is learnt
 
 
 def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
@@ -141,7 +145,8 @@ class DepthController:
 
     def choose(self, requests: Sequence[PositionCounts], pooled: PositionCounts) -> int:
         """This iteration's γ: calibration first, then the best depth, a neighbour of it on every
-        ``probe_every``-th choice (above on odd probes, below on even; the other side at a bound)."""
+        ``probe_every``-th choice (above on odd probes, below on even; the other side at a bound),
+        on every ``ZERO_PROBE_EVERY``-th while the best is γ = 0."""
         batch = len(requests)
         cal = self.times.calibration(batch)
         if cal is not None:
@@ -150,9 +155,10 @@ class DepthController:
         key = IterationTimes.bucket(batch)
         self._chosen[key] += 1
         n = self._chosen[key]
-        if self.max_gamma == 0 or n % self.probe_every:
+        every = self.probe_every if best else min(self.probe_every, ZERO_PROBE_EVERY)
+        if self.max_gamma == 0 or n % every:
             return best
-        step = 1 if (n // self.probe_every) % 2 else -1
+        step = 1 if (n // every) % 2 else -1
         probe = best + step
         return probe if 0 <= probe <= self.max_gamma else best - step
 
