@@ -67,14 +67,14 @@ for c in ${MULTITURN//,/ }; do
   run "multiturn cache $c" python3 -m wmtp bench multiturn --doc-tokens 131072 --users 4 --turns 8 --cache "$c" \
     --out "$WORK/multiturn_131k_qwen3.6-35b-a3b.json"
 done
-# the verify tile past 64 rows (rows): a second tile over the same loads against further query blocks at 8, 9
-# and 12 verify queries (16 / 2 heads) and at 5 and 7 (32 / 2 heads, the 122B and 120B shape); the adaptive depth
-# replaying the CPU sweep's acceptance traces (replay); the depth sweep d = 2..9 at 1.04M (depth)
+# the verify tile past 64 rows (rows): 64- against 128-row tiles at 8 and 9 verify queries (16 / 2 heads) and at 7
+# (32 / 2 heads, the 122B and 120B shape); the adaptive depth replaying the CPU sweep's acceptance traces (replay);
+# the depth sweep d = 2..9 at 1.04M (depth)
 if [[ $parts == *rows* ]]; then
-  run "tune attention rows" python3 benchmarks/tune_attention.py --q-lens 8,9,12 --rows 64 --tails 1,0 \
-    --block-n 32,64 --warps 4,8 --stages 2,3 --out "$WORK/tune_attention_rows.json"
-  run "tune attention rows 32 heads" python3 benchmarks/tune_attention.py --q-lens 5,7 --heads 32 --rows 64 \
-    --tails 1,0 --block-n 32,64 --warps 4,8 --stages 2,3 --out "$WORK/tune_attention_rows_32h.json"
+  run "tune attention rows" python3 benchmarks/tune_attention.py --q-lens 8,9 --rows 64,128 --block-n 32,64 \
+    --warps 4,8 --stages 2,3 --out "$WORK/tune_attention_rows.json"
+  run "tune attention rows 32 heads" python3 benchmarks/tune_attention.py --q-lens 7 --heads 32 --rows 64,128 \
+    --block-n 32,64 --warps 4,8 --stages 2,3 --out "$WORK/tune_attention_rows_32h.json"
 fi
 [[ $parts == *replay* ]] && run "depth replay" python3 -m wmtp bench depth-replay \
   --traces benchmarks/results/acceptance/depth_traces.json --context 1040000 --depths auto,2,7,3,4,5,6,8 \

@@ -34,8 +34,6 @@ def main() -> None:
                     help="allocate an engine-like pool [layers, 2, slots, kv_heads, D] and time its middle layer")
     ap.add_argument("--table", default="random", choices=("random", "contiguous"))
     ap.add_argument("--rows", default="64", help="max_rows candidates (query rows x GQA group per tile)")
-    ap.add_argument("--tails", default="1", help="tail candidates: 1 = queries past one tile take a second tile "
-                    "over the same loads, 0 = further query blocks")
     ap.add_argument("--block-n", default="16,32,64,128")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="1,2,3,4")
@@ -65,10 +63,9 @@ def main() -> None:
 
         default = run()
         results = []
-        grid = [[int(x) for x in v.split(",")] for v in (a.rows, a.tails, a.block_n, a.warps, a.stages, a.splits)]
-        for mr, tail, bn, nw, ns, sp in itertools.product(*grid):
-            cfg = {"max_rows": mr, "tail": bool(tail), "block_n": bn, "num_warps": nw, "num_stages": ns,
-                   "num_splits": sp or None}
+        grid = [[int(x) for x in v.split(",")] for v in (a.rows, a.block_n, a.warps, a.stages, a.splits)]
+        for mr, bn, nw, ns, sp in itertools.product(*grid):
+            cfg = {"max_rows": mr, "block_n": bn, "num_warps": nw, "num_stages": ns, "num_splits": sp or None}
             try:
                 results.append({**cfg, "ms": run(**cfg)})
             except Exception as e:  # out of shared memory / registers for this tile: not a candidate
@@ -76,7 +73,7 @@ def main() -> None:
         best = min((r for r in results if "ms" in r), key=lambda r: r["ms"])
         rows.append({"q_len": q_len, "default_ms": default, "best": best, "all": results})
         print(f"q_len {q_len}: default {default:.3f} ms ({kv_bytes / default / 1e9:.2f} TB/s) | best {best['ms']:.3f} ms "
-              f"({kv_bytes / best['ms'] / 1e9:.2f} TB/s) at rows={best['max_rows']} tail={int(best['tail'])} block_n={best['block_n']} warps={best['num_warps']} "
+              f"({kv_bytes / best['ms'] / 1e9:.2f} TB/s) at rows={best['max_rows']} block_n={best['block_n']} warps={best['num_warps']} "
               f"stages={best['num_stages']} splits={best['num_splits'] or 'auto'}", flush=True)
     meta = {"hardware": torch.cuda.get_device_name(), "S": S, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": D,
             "page_size": page, "pool_layers": a.pool_layers, "table": a.table, "dtype": "bfloat16", "kv_dtype": a.kv_dtype, "timing": "triton.testing.do_bench_cudagraph"}

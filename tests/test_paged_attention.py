@@ -131,33 +131,24 @@ def test_prefill_tile_fp32(page):
     _compare(case, atol=1e-4, max_rows=128, block_n=64, num_warps=8, num_stages=2)
 
 
-@pytest.mark.parametrize("heads,q_len,page,windowed,tail", [
-    (16, 9, 8, False, 16), (16, 9, 64, False, 16), (16, 12, 64, False, 32), (32, 7, 8, False, 64),
-    (32, 5, 64, False, 16), (16, 9, 8, True, 16)])
-def test_verify_past_one_tile_reads_keys_once(heads, q_len, page, windowed, tail, monkeypatch):
-    """Verify rows past 64 (q_len x GQA group: d = 9 at 16 q / 2 KV heads, d = 5..8 at 32 / 2) run
-    as one query block per request and KV head whose queries past the first 64 rows take a second
-    tile (``tail`` rows) over the same K / V loads; the result is the twin's (pages of 8: the
-    general loop; of 64: whole 64-key tiles; a window: the per-key path). ``tail=False`` launches
-    further query blocks instead, with the same result."""
+@pytest.mark.parametrize("heads,q_len,page", [(16, 9, 8), (16, 9, 64), (32, 7, 8), (32, 5, 64)])
+def test_wide_verify_reads_keys_once(heads, q_len, page, monkeypatch):
+    """Verify rows past 64 (next_pow2(q_len) x GQA group: d = 9 at 16 q / 2 KV heads, d = 5..8 at
+    32 / 2) run as one 128-row query block per request and KV head, not two that each read every
+    key; the result is the twin's (general loop over pages of 8, whole 64-key tiles)."""
     import wmtp.kernels.paged_attention as pa
 
-    launches, kernel = [], pa._attn_split_kernel
+    grids, kernel = [], pa._attn_split_kernel
 
     class Spy:
         def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((grid, kw)) or kernel[grid](*args, **kw)
+            grids.append(grid)
+            return kernel[grid]
 
     monkeypatch.setattr(pa, "_attn_split_kernel", Spy())
-    win = [W if windowed else None, None]
-    case = lambda: _case(7, heads, 2, 16, q_lens=[q_len, 1], starts=[150, 60], windows=win, ring=False, page=page)  # noqa: E731
-    _compare(case(), splits=2)
-    (grid, kw), = launches
-    assert grid[:2] == (2, 2)  # (requests x query blocks, KV heads): one block each
-    assert (kw["BLOCK_Q"] * heads // 2, kw["TAIL_Q"] * heads // 2) == (64, tail)
-    launches.clear()
-    _compare(case(), splits=2, tail=False)
-    assert launches[0][0][0] == 2 * 2 and launches[0][1]["TAIL_Q"] == 0
+    case = _case(7, heads, 2, 16, q_lens=[q_len, 1], starts=[150, 60], windows=[None, None], ring=False, page=page)
+    _compare(case, splits=2)
+    assert grids[0][:2] == (2, 2)  # (requests x query blocks, KV heads): one block each
 
 
 @pytest.mark.parametrize("block_n,num_warps,num_stages", [(16, 4, 1), (32, 8, 3)])

@@ -134,56 +134,13 @@ if triton is not None:
         return o * s
 
     @triton.jit
-    def _tile_rows(q0, kvh, q_len, M: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr):
-        """A tile's M rows, queries from ``q0`` x the GQA group padded to GROUP_P: query index,
-        q head, and whether the row is real."""
-        rows = tl.arange(0, M)
-        qi = q0 + rows // GROUP_P
-        return qi, kvh * GROUP + rows % GROUP_P, (qi < q_len) & (rows % GROUP_P < GROUP)
-
-    @triton.jit
-    def _load_q(Q, tok_off, qi, head, row_ok, stride_qt, stride_qh, dims, d_ok, PAD_D: tl.constexpr,
-                KV8: tl.constexpr, IEEE: tl.constexpr):
-        q = tl.load(Q + (tok_off + qi)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                    mask=_dims_ok(row_ok[:, None], d_ok, PAD_D), other=0.0)
-        if KV8 and not IEEE:
-            # fp8 tiles widen to fp16, which Hopper converts e4m3 to in one instruction (bf16 takes
-            # two more); q and p follow (bf16 q is exact in fp16's wider mantissa at its magnitudes)
-            q = q.to(tl.float16)
-        return q
-
-    @triton.jit
-    def _write_rows(acc, m_i, l_i, tok, head, row_ok, Out, OPart, MPart, LPart, Gate, split, v_scale,
-                    stride_ot, stride_oh, stride_gt, stride_gh, stride_ps, stride_pt, stride_ph, dims, d_ok,
-                    D: tl.constexpr, PAD_D: tl.constexpr, SPLIT: tl.constexpr, GATED: tl.constexpr,
-                    KV8: tl.constexpr):
-        """A tile's result: the split's unnormalised partial (merged by _merge_splits_kernel), or
-        the normalised, gated output."""
-        if KV8:
-            acc = acc * v_scale
-        out_ok = _dims_ok(row_ok[:, None], d_ok, PAD_D)
-        if SPLIT:
-            base = split * stride_ps + tok * stride_pt + head * stride_ph
-            tl.store(OPart + base[:, None] + dims[None, :], acc, mask=out_ok)
-            tl.store(MPart + base // D, m_i, mask=row_ok)
-            tl.store(LPart + base // D, l_i, mask=row_ok)
-        else:
-            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            if GATED:
-                out = _gated(out, tl.load(Gate + tok[:, None] * stride_gt + head[:, None] * stride_gh + dims[None, :],
-                                          mask=out_ok, other=0.0))
-            tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                     out.to(Out.dtype.element_ty), mask=out_ok)
-
-    @triton.jit
     def _attn_split_kernel(
         Q, K, V, Out, OPart, MPart, LPart, Gate,
         q_start_ptr, q_len_ptr, tok_off_ptr, win_ptr, table_ptr, table_stride,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_gt, stride_gh,
         stride_ps, stride_pt, stride_ph,
         num_q_blocks, num_splits, scale_log2e, v_scale, page_size, sink, window, ring_mod,
-        GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, TAIL_Q: tl.constexpr,
-        BLOCK_N: tl.constexpr, D: tl.constexpr,
+        GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
         BLOCK_D: tl.constexpr, RING: tl.constexpr, CONTIG: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
         GATED: tl.constexpr, KV8: tl.constexpr, PDL: tl.constexpr,
     ):
@@ -196,38 +153,34 @@ if triton is not None:
         # metadata may arrive as int64 (the graphs' staging buffers); positions fit in int32, and
         # int64 index math over a [64, 256] tile costs registers (1.6x slower at 1M keys, H200)
         q_len = tl.load(q_len_ptr + b).to(tl.int32)
-        # a program's queries: BLOCK_Q in the main tile, then TAIL_Q in a second, smaller tile (0: none)
-        # over the same K / V loads, so 9 queries x 8 heads take 64 + 16 rows, not 128
-        SPAN: tl.constexpr = BLOCK_Q + TAIL_Q
-        if qb * SPAN >= q_len:
+        if qb * BLOCK_Q >= q_len:
             return
         q_start = tl.load(q_start_ptr + b).to(tl.int32)
         tok_off = tl.load(tok_off_ptr + b).to(tl.int32)
         win_flag = tl.load(win_ptr + b).to(tl.int32)  # 0 / 1; scalar arithmetic below (no tl.where on scalars)
         windowed = win_flag != 0
 
+        BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P  # the group is padded to a power of 2
+        rows = tl.arange(0, BLOCK_M)
+        qi = qb * BLOCK_Q + rows // GROUP_P
+        head = kvh * GROUP + rows % GROUP_P
+        row_ok = (qi < q_len) & (rows % GROUP_P < GROUP)
+        q_pos = q_start + qi
         # head dims padded to a power of 2 (80, 96, 112, ...): the padding loads zeros, which add
         # nothing to q.k, and its output columns are never stored
         PAD_D: tl.constexpr = BLOCK_D != D
         dims = tl.arange(0, BLOCK_D)
         d_ok = dims < D
-        qi, head, row_ok = _tile_rows(qb * SPAN, kvh, q_len, BLOCK_Q * GROUP_P, GROUP, GROUP_P)  # the group padded to a power of 2
-        q_pos = q_start + qi
-        q = _load_q(Q, tok_off, qi, head, row_ok, stride_qt, stride_qh, dims, d_ok, PAD_D, KV8, IEEE)
-        m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
-        acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
-        if TAIL_Q > 0:
-            qi2, head2, row_ok2 = _tile_rows(qb * SPAN + BLOCK_Q, kvh, q_len, TAIL_Q * GROUP_P, GROUP, GROUP_P)
-            q_pos2 = q_start + qi2
-            q2 = _load_q(Q, tok_off, qi2, head2, row_ok2, stride_qt, stride_qh, dims, d_ok, PAD_D, KV8, IEEE)
-            m2 = tl.full([TAIL_Q * GROUP_P], float("-inf"), tl.float32)
-            l2 = tl.zeros([TAIL_Q * GROUP_P], tl.float32)
-            acc2 = tl.zeros([TAIL_Q * GROUP_P, BLOCK_D], tl.float32)
+        q = tl.load(Q + (tok_off + qi)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                    mask=_dims_ok(row_ok[:, None], d_ok, PAD_D), other=0.0)
+        if KV8 and not IEEE:
+            # fp8 tiles widen to fp16, which Hopper converts e4m3 to in one instruction (bf16 takes
+            # two more); q and p follow (bf16 q is exact in fp16's wider mantissa at its magnitudes)
+            q = q.to(tl.float16)
 
         # virtual key range of this query block (see module docstring)
-        q_first = q_start + qb * SPAN
-        q_last = tl.minimum(q_start + q_len - 1, q_first + SPAN - 1)
+        q_first = q_start + qb * BLOCK_Q
+        q_last = tl.minimum(q_start + q_len - 1, q_first + BLOCK_Q - 1)
         recent = win_flag * tl.maximum(q_first - window + 1, 0)
         sink_end = win_flag * tl.minimum(sink, recent)
         n_keys = sink_end + q_last - recent + 1
@@ -237,6 +190,9 @@ if triton is not None:
         lo = split * keys_per_split
         hi = tl.minimum(n_keys, lo + keys_per_split)
 
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         if CONTIG:
             # whole tiles at or before the first query: position = j, one page per tile, no masks
             full_end = lo + tl.maximum(tl.minimum(hi, q_first + 1) - lo, 0) // BLOCK_N * BLOCK_N
@@ -255,9 +211,6 @@ if triton is not None:
                     k = tl.load(K + base + tile)
                     v = tl.load(V + base + tile)
                 m_i, l_i, acc = _softmax_step(q, k, v, True, m_i, l_i, acc, scale_log2e, MASKED=False, IEEE=IEEE, KV8=KV8)
-                if TAIL_Q > 0:
-                    m2, l2, acc2 = _softmax_step(q2, k, v, True, m2, l2, acc2, scale_log2e, MASKED=False, IEEE=IEEE,
-                                                 KV8=KV8)
             # the tail (the causal edge, the split's end) still has one page per tile: the same scalar
             # addressing with masks. The general loop's [BLOCK_N, D] int64 addresses, compiled beside
             # the main loop, cost it registers: 7 queries over 1.04M keys ran 0.55 ms with them,
@@ -271,10 +224,6 @@ if triton is not None:
                 v = tl.load(V + base + tile, mask=_dims_ok(k_ok[:, None], d_ok, PAD_D), other=0.0)
                 visible = (j[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
                 m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e, MASKED=True, IEEE=IEEE, KV8=KV8)
-                if TAIL_Q > 0:
-                    visible2 = (j[None, :] <= q_pos2[:, None]) & k_ok[None, :] & row_ok2[:, None]
-                    m2, l2, acc2 = _softmax_step(q2, k, v, visible2, m2, l2, acc2, scale_log2e, MASKED=True, IEEE=IEEE,
-                                                 KV8=KV8)
         else:
             for j0 in range(lo, hi, BLOCK_N):
                 j = j0 + tl.arange(0, BLOCK_N)
@@ -292,19 +241,23 @@ if triton is not None:
                 visible = (pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
                 visible &= (~windowed) | (pos[None, :] < sink) | (pos[None, :] > q_pos[:, None] - window)
                 m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e, MASKED=True, IEEE=IEEE, KV8=KV8)
-                if TAIL_Q > 0:
-                    visible2 = (pos[None, :] <= q_pos2[:, None]) & k_ok[None, :] & row_ok2[:, None]
-                    visible2 &= (~windowed) | (pos[None, :] < sink) | (pos[None, :] > q_pos2[:, None] - window)
-                    m2, l2, acc2 = _softmax_step(q2, k, v, visible2, m2, l2, acc2, scale_log2e, MASKED=True, IEEE=IEEE,
-                                                 KV8=KV8)
 
-        _write_rows(acc, m_i, l_i, tok_off + qi, head, row_ok, Out, OPart, MPart, LPart, Gate, split, v_scale,
-                    stride_ot, stride_oh, stride_gt, stride_gh, stride_ps, stride_pt, stride_ph, dims, d_ok,
-                    D, PAD_D, SPLIT, GATED, KV8)
-        if TAIL_Q > 0:
-            _write_rows(acc2, m2, l2, tok_off + qi2, head2, row_ok2, Out, OPart, MPart, LPart, Gate, split, v_scale,
-                        stride_ot, stride_oh, stride_gt, stride_gh, stride_ps, stride_pt, stride_ph, dims, d_ok,
-                        D, PAD_D, SPLIT, GATED, KV8)
+        if KV8:
+            acc = acc * v_scale
+        tok = tok_off + qi
+        if SPLIT:
+            base = split * stride_ps + tok * stride_pt + head * stride_ph
+            tl.store(OPart + base[:, None] + dims[None, :], acc, mask=_dims_ok(row_ok[:, None], d_ok, PAD_D))
+            tl.store(MPart + base // D, m_i, mask=row_ok)
+            tl.store(LPart + base // D, l_i, mask=row_ok)
+        else:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            out_ok = _dims_ok(row_ok[:, None], d_ok, PAD_D)
+            if GATED:
+                out = _gated(out, tl.load(Gate + tok[:, None] * stride_gt + head[:, None] * stride_gh + dims[None, :],
+                                          mask=out_ok, other=0.0))
+            tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                     out.to(Out.dtype.element_ty), mask=out_ok)
 
     @triton.jit
     def _merge_splits_kernel(OPart, MPart, LPart, Out, Gate, num_splits, rows, stride_ot, stride_oh, stride_gt,
@@ -428,7 +381,6 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     max_rows: int | None = None,
-    tail: bool | None = None,
     gate: torch.Tensor | None = None,
     kv_scale: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
@@ -438,10 +390,8 @@ def paged_attention(
     fp8 caches read ``code * kv_scale`` (``quant.dequantize_kv``).
 
     ``num_splits`` (default: about two programs per SM) cuts each request's keys;
-    ``block_n`` / ``num_warps`` / ``num_stages`` / ``max_rows`` (query rows x GQA group per tile) /
-    ``tail`` (False: queries past one tile take further query blocks, each reading every key, instead
-    of a second tile over the same loads) override the launch configuration
-    (``benchmarks/tune_attention.py``).
+    ``block_n`` / ``num_warps`` / ``num_stages`` / ``max_rows`` (query rows x GQA group per tile)
+    override the launch configuration (``benchmarks/tune_attention.py``).
     """
     if triton is None:
         raise RuntimeError("paged_attention needs triton (pip install 'wmtp[gpu]' or triton==3.6.0)")
@@ -454,35 +404,37 @@ def paged_attention(
     prefill_tile = prefill and D >= 256 and k_cache.element_size() <= 2 and D & (D - 1) == 0
     if gate is not None and prefill:
         return paged_attention(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, num_stages,
-                               max_rows, tail, kv_scale=kv_scale) * torch.sigmoid(gate)
+                               max_rows, kv_scale=kv_scale) * torch.sigmoid(gate)
     if H % n_kv:
         raise ValueError(f"paged_attention: heads {H} must be a multiple of kv heads {n_kv}")
     block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs >= 16 along K
     group = H // n_kv
     group_p = triton.next_power_of_2(group)
-    max_rows = max_rows or (128 if prefill_tile else 64)
+    # decode / verify rows past one 64-row tile (next_pow2(q_len) x group: d > 8 at 16 q / 2 KV heads,
+    # d > 4 at 32 / 2) take one 128-row tile: two 64-row query blocks would each read every K / V tile
+    # (fp32 K / V at head_dim 256 excepted: such tiles overflow shared memory)
+    wide_verify = (not prefill and triton.next_power_of_2(meta.max_q_len) * group_p > 64
+                   and (k_cache.element_size() <= 2 or block_d < 256))
+    max_rows = max_rows or (128 if prefill_tile or wide_verify else 64)
     block_q = max(1, min(triton.next_power_of_2(meta.max_q_len), max(1, max_rows // group_p)))
     if block_q * group_p < 16:  # tl.dot needs >= 16 rows: pad the query block
         block_q = 16 // group_p
-    # decode / verify queries past one tile (d = 9 at 16 q / 2 KV heads, d = 5..8 at 32 / 2) go to a
-    # second tile over the same K / V loads, of the next power of 2 of the rest (>= 16 rows, at most
-    # the first's): 9 queries x 8 heads take 64 + 16 rows. One 128-row tile did twice the tensor-core
-    # work of 64 rows and ran 0.72 against 0.51 ms at 1.04M keys (H200); a second query block would
-    # read every key again.
-    tail_q = 0
-    if (not prefill if tail is None else tail) and meta.max_q_len > block_q:
-        tail_q = min(block_q, max(triton.next_power_of_2(meta.max_q_len - block_q), max(1, 16 // group_p)))
-    num_q_blocks = math.ceil(meta.max_q_len / (block_q + tail_q))
+    num_q_blocks = math.ceil(meta.max_q_len / block_q)
     B = meta.q_len.shape[0]
     programs = B * num_q_blocks * n_kv
     big_tile = block_d >= 256 and block_q * group_p >= 64
-    wide = (block_q + tail_q) * group_p > 96  # accumulators of more than 96 rows: 8 warps' registers
     # no window and no ring: keys are positions, so tiles of whole pages take the contiguous path
     plain_pages = not meta.ring and not meta.may_window
-    if big_tile and block_n is None and (prefill_tile or wide):
+    if (big_tile and block_n is None and not prefill and block_q * group_p > 64 and plain_pages
+            and meta.page_size % 32 == 0 and k_cache.element_size() == 2):
+        # a wide verify over whole pages: 32-key tiles, 8 warps, 3 stages (0.689 against 0.718 ms for the
+        # prefill tile's launch, 9 queries x 8 heads over 1.04M keys; 0.702 against 0.737 at 7 x 16;
+        # H200, tuning/tune_attention_rows*.json). A second 16-row tile over the same loads, or a
+        # second query block, ran no faster (0.74 / 0.72 ms)
+        block_n, num_warps, num_stages = 32, num_warps or 8, num_stages or 3
+    elif big_tile and block_n is None and (prefill_tile or block_q * group_p > 64):
         # [128, 256] query rows over 64-key tiles, 8 warps: 21.1 against 24.2 ms for the [64, 256]
-        # decode tile (8192 queries over 73,728 keys on the H200; benchmarks/tune_attention.py);
-        # a verify of 64 + 64 rows takes the same launch
+        # decode tile (8192 queries over 73,728 keys on the H200; benchmarks/tune_attention.py)
         block_n, num_warps, num_stages = 64, num_warps or 8, num_stages or 2
     elif big_tile and block_n is None and plain_pages and meta.page_size % 64 == 0 and k_cache.element_size() <= 2:
         # a [64, 256] fp32 accumulator over whole pages (16- or 8-bit K / V: three stages of 64-key
@@ -497,7 +449,7 @@ def paged_attention(
         # 1.02 ms for 7 verify queries over 1.04M keys; tune_attention / attention_insitu)
         block_n, num_warps, num_stages = 32, num_warps or 4, num_stages or 2
     block_n = block_n or 64
-    num_warps = num_warps or (8 if wide else None)
+    num_warps = num_warps or (8 if block_q * group_p > 64 else None)  # the accumulator's registers, as at 64 rows
     max_splits = max(1, math.ceil(meta.max_keys / block_n))
     num_splits = num_splits or meta.num_splits
     if num_splits is None:
@@ -527,7 +479,7 @@ def paged_attention(
         *gate_strides,
         T * H * D, H * D, D,
         num_q_blocks, num_splits, scale * k_scale * 1.4426950408889634, v_scale, meta.page_size, meta.sink, meta.window, meta.ring_mod,
-        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, TAIL_Q=tail_q, BLOCK_N=block_n, D=D, BLOCK_D=block_d, RING=meta.ring,
+        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, BLOCK_D=block_d, RING=meta.ring,
         CONTIG=contig, SPLIT=split, IEEE=q.dtype == torch.float32, GATED=gate is not None, KV8=kv8, **pdl(q.device),
         num_warps=num_warps or 4,
         **({} if num_stages is None else {"num_stages": num_stages}),
