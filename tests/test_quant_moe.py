@@ -99,3 +99,41 @@ def test_bad_experts_name_the_problem():
         swiglu_gemv(torch.zeros(1, 32, device=DEVICE), gate, _experts(FP8Block(), [(16, 32)], 2, seed=0), one, 1)
     with pytest.raises(ValueError, match="down_combine: h"):
         down_combine(torch.zeros(3, 32, device=DEVICE), w, torch.zeros(3, device=DEVICE), torch.zeros(3), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="cvt.rn.f16x2.e4m3x2 needs a CUDA device of compute capability 8.9+")
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_e2m1_through_e4m3_equals_the_bit_placement(dtype, monkeypatch):
+    """The NVFP4 tiles' decode through e4m3 conversion (``quant_tiles.e2m1_pairs``, on by default
+    here) against the fp16 bit placement (``WMTP_E2M1_CVT=0``), to the bit, in the skinny linear
+    kernel and both MoE GEMVs, over weights whose packed bytes take all 256 values (every pair of
+    codes: signed zeros, the subnormal 0.5, 6)."""
+    from wmtp.kernels.linear import LinearTiles, skinny_linear
+    from wmtp.kernels.quant_tiles import e2m1_cvt
+
+    assert e2m1_cvt(torch.device(DEVICE))["CVT"]
+    fmt, E, H, inter, top_k, T = NVFP4(), 4, 64, 64, 2, 3
+    gate_up = _experts(fmt, [(inter, H), (inter, H)], E, seed=9)
+    down = _experts(fmt, [(H, inter)], E, seed=10)
+    for w in (gate_up, down):
+        codes = w.tensors["weight"]
+        w.tensors["weight"] = (torch.arange(codes.numel(), device=DEVICE) * 37 % 256).to(torch.uint8).view_as(codes)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    idx = torch.randint(0, E, (T, top_k), generator=g).to(DEVICE)
+    top_w = torch.rand(T, top_k, generator=g).to(DEVICE)
+    gate, up = gate_up.rows(slice(0, inter)), gate_up.rows(slice(inter, None))
+
+    def run():
+        h = swiglu_gemv(x, gate, up, idx.view(-1), top_k, BLOCK_N=16, BLOCK_K=64)
+        return (skinny_linear(x, gate_up[1], tiles=LinearTiles(16, 32, 1, 4)), h,
+                down_combine(h, down, idx, top_w, top_k, BLOCK_N=32, BLOCK_K=32))
+
+    got = run()
+    monkeypatch.setenv("WMTP_E2M1_CVT", "0")
+    want = run()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert want[0].abs().max() > 0

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from wmtp.kernels.common import arrival_counters, launch_tile, pdl
-from wmtp.kernels.quant_tiles import FP8_CODE, NVFP4_CODE, dequantize, kernel_weight
+from wmtp.kernels.quant_tiles import FP8_CODE, NVFP4_CODE, dequantize, e2m1_cvt, kernel_weight
 from wmtp.quant import QuantWeight
 
 try:
@@ -55,21 +55,22 @@ if triton is not None:
 
     @triton.jit
     def split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, k_lo, K_SPLIT, K,
-                  FORMAT: tl.constexpr, WIDEN: tl.constexpr, PREC: tl.constexpr, BLOCK_K: tl.constexpr):
+                  FORMAT: tl.constexpr, WIDEN: tl.constexpr, PREC: tl.constexpr, BLOCK_K: tl.constexpr,
+                  CVT: tl.constexpr):
         """fp32 ``X[ts] @ W[cols].T`` over this program's K split ``[k_lo, k_lo + K_SPLIT)``, one dot
         per K step (``weight_tile_dot``, any weight format): a [len(ts), len(cols)] tile (rows and
         columns past ``t_ok`` / ``col_ok`` are 0)."""
         acc = tl.zeros([ts.shape[0], cols.shape[0]], tl.float32)
         for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
             acc = weight_tile_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, k0, K, acc,
-                                  FORMAT, WIDEN, PREC, BLOCK_K)
+                                  FORMAT, WIDEN, PREC, BLOCK_K, CVT)
         return acc
 
     @triton.jit
     def _skinny_linear_kernel(X, W, S, R, BIAS, OUT, PART, COUNT, T, N, K, stride_xt, stride_wn, stride_sn, stride_ot,
                               K_SPLIT, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
                               WIDEN: tl.constexpr, PREC: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                              BLOCK_K: tl.constexpr, CVT: tl.constexpr, PDL: tl.constexpr):
         wait_prior(PDL)
         nb = tl.program_id(0)
         s = tl.program_id(1)
@@ -78,7 +79,7 @@ if triton is not None:
         ts = tl.arange(0, T_P)
         t_ok = ts < T
         acc = split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, s * K_SPLIT, K_SPLIT, K,
-                        FORMAT, WIDEN, PREC, BLOCK_K)
+                        FORMAT, WIDEN, PREC, BLOCK_K, CVT)
         out_ptr = OUT + ts[:, None] * stride_ot + cols[None, :]
         out_ok = t_ok[:, None] & col_ok[None, :]
         if SPLITS == 1:
@@ -198,7 +199,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
                 arrival_counters(x.device, blocks), t, N, K, xs.stride(0), kw.weight.stride(0), kw.scale.stride(0),
                 outs.stride(0), k_split, FORMAT=kw.format, HAS_BIAS=bias is not None, SPLITS=splits, T_P=MAX_ROWS,
                 BLOCK_N=cfg.block_n, BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                **dot_flags(x.dtype), **pdl(x.device))
+                **dot_flags(x.dtype), **e2m1_cvt(x.device), **pdl(x.device))
     return out.view(*x.shape[:-1], N)
 
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from wmtp.kernels.common import SharedExpert, SigmoidRouting, launch_tile, pdl
 from wmtp.kernels.linear import decode_linear
-from wmtp.kernels.quant_tiles import FLOAT, FP8_CODE, KernelWeight, kernel_weight, same_layout
+from wmtp.kernels.quant_tiles import FLOAT, FP8_CODE, KernelWeight, e2m1_cvt, kernel_weight, same_layout
 from wmtp.quant import QuantWeight, dense
 
 try:
@@ -106,7 +106,7 @@ if triton is not None:
     def _swiglu_gemv_kernel(X, WG, WU, CG, CU, RG, RU, IDX, SG, SU, SCG, SCU, SRG, SRU, OUT, P, N, NS, K,
                             stride_we, stride_wn, stride_ce, stride_cn, stride_re, stride_sn, stride_scn,
                             TOP_K: tl.constexpr, FORMAT: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_K: tl.constexpr, CVT: tl.constexpr, PDL: tl.constexpr):
         """Weights in FORMAT (``quant_tiles``): routed gate / up W*, their group scales C*, per-row
         scales R* (leading expert strides *_e); the shared expert's S*, SC*, SR*. GATED:
         ``silu(gate x) * (up x)``; else ``relu(up x)^2`` (the gate arguments unread)."""
@@ -135,8 +135,8 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             xs = x_step(X, x_off, k0, K, FORMAT, BLOCK_K)  # once for gate and up
             if GATED:
-                g += weight_dot(wg, cg, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K)
-            u += weight_dot(wu, cu, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K)
+                g += weight_dot(wg, cg, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K, CVT)
+            u += weight_dot(wu, cu, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K, CVT)
         dt = OUT.dtype.element_ty
         u = row_scale(u, tl.where(sh, SRU, RU + e * stride_re), rows, row_ok, FORMAT)
         u = u.to(dt).to(tl.float32)  # the reference rounds each projection to the activation dtype
@@ -167,7 +167,7 @@ if triton is not None:
     def _down_combine_kernel(H, W, C, R, IDX, TW, HS, WS, CS, RS, SL, OUT, N, K, KS, stride_we, stride_wn, stride_ce,
                              stride_cn, stride_re, stride_ws, stride_cs, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
                              SHARED: tl.constexpr, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             PDL: tl.constexpr):
+                             CVT: tl.constexpr, PDL: tl.constexpr):
         """Weights in FORMAT (``quant_tiles``): routed W, C, R (expert strides *_e), shared WS, CS, RS."""
         wait_prior(PDL)
         t = tl.program_id(0)
@@ -189,7 +189,7 @@ if triton is not None:
         acc = tl.zeros([TOP_K_P, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             xs = x_step(H, h_off, k0, K, FORMAT, BLOCK_K)
-            acc += weight_dot(w_base, C, w_rows, c_rows, ok, xs, k0, K, FORMAT, BLOCK_K)
+            acc += weight_dot(w_base, C, w_rows, c_rows, ok, xs, k0, K, FORMAT, BLOCK_K, CVT)
         acc = row_scale(acc, R, e[:, None] * stride_re + rows[None, :], ok, FORMAT)
         tw = tl.load(TW + p, mask=sel_ok, other=0.0)  # padded experts weigh 0 (and their acc is 0)
         out = tl.sum(acc.to(dt).to(tl.float32) * tw[:, None], 0)  # each expert rounded as the reference's
@@ -198,7 +198,7 @@ if triton is not None:
             hs_off = t * KS
             for k0 in range(0, KS, BLOCK_K):
                 acc_s += weight_dot(WS, CS, rows * stride_ws, rows * stride_cs, row_ok,
-                                    x_step(HS, hs_off, k0, KS, FORMAT, BLOCK_K), k0, KS, FORMAT, BLOCK_K)
+                                    x_step(HS, hs_off, k0, KS, FORMAT, BLOCK_K), k0, KS, FORMAT, BLOCK_K, CVT)
             acc_s = row_scale(acc_s, RS, rows, row_ok, FORMAT)
             out += acc_s.to(dt).to(tl.float32) / (1.0 + tl.exp(-tl.load(SL + t)))
         tl.store(OUT + t * N + rows, out.to(dt), mask=row_ok)
@@ -334,7 +334,7 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
             x.contiguous(), g.weight, u.weight, g.scale, u.scale, g.rows, u.rows, idx.contiguous(),
             sg.weight, su.weight, sg.scale, su.scale, sg.rows, su.rows, buf, P, N, Ns, K,
             we, wn, ce, cn, g.rows_stride(), sg.weight.stride(-2), sg.scale.stride(-2), TOP_K=top_k, FORMAT=g.format,
-            GATED=gated, **cfg, **pdl(x.device))
+            GATED=gated, **cfg, **e2m1_cvt(x.device), **pdl(x.device))
     return buf[:P * N].view(P, N), None if shared is None else buf[P * N:].view(T, Ns)
 
 
@@ -378,7 +378,7 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
             h.contiguous(), d.weight, d.scale, d.rows, idx.contiguous(), top_w.float().contiguous(), hs,
             ds.weight, ds.scale, ds.rows, sl, out, N, K, hs.shape[-1], we, wn, ce, cn, d.rows_stride(),
             ds.weight.stride(-2), ds.scale.stride(-2), TOP_K=top_k, TOP_K_P=triton.next_power_of_2(top_k),
-            SHARED=shared is not None, FORMAT=d.format, **cfg, **pdl(h.device))
+            SHARED=shared is not None, FORMAT=d.format, **cfg, **e2m1_cvt(h.device), **pdl(h.device))
     return out
 
 

@@ -13,12 +13,15 @@ A kernel takes a weight as ``KernelWeight`` (``kernel_weight``): a FORMAT code a
 ``x_step`` loaded once for every weight reading them; the NVFP4 tile is loaded as [rows, groups, 8]
 bytes (each group's 8 bytes contiguous: one vector load, its scale once) against the even and odd
 inputs of x, and the group scale multiplies the group's sum; the second level
-(``row_scale``) multiplies the row's total once. e2m1 codes decode by bit placement (as fp16 bits,
-times 2^14), not by a table or exp2.
+(``row_scale``) multiplies the row's total once. e2m1 codes decode by bit placement, not by a table
+or exp2: on GPUs of compute capability 8.9+ (``e2m1_cvt``) into e4m3 bytes that one instruction
+converts two at a time (``e2m1_pairs``), elsewhere into fp16 bits (``e2m1_values``).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -82,6 +85,22 @@ def kernel_weight(name: str, w: torch.Tensor | QuantWeight) -> KernelWeight:
     return kw
 
 
+@functools.cache
+def _converts_e4m3(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def e2m1_cvt(device: torch.device) -> dict[str, bool]:
+    """The ``CVT`` launch argument of the kernels that read NVFP4 tiles at decode sizes: the e2m1
+    codes decode through ``cvt.rn.f16x2.e4m3x2`` (``e2m1_pairs``) on CUDA devices of compute
+    capability 8.9+; off under the CPU interpreter and with ``WMTP_E2M1_CVT=0``. Both decodes give
+    the same values: the kernels' results do not depend on it."""
+    on = (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+          and os.environ.get("WMTP_E2M1_CVT") != "0"
+          and _converts_e4m3(device.index if device.index is not None else torch.cuda.current_device()))
+    return {"CVT": on}
+
+
 def same_layout(a: KernelWeight, b: KernelWeight) -> bool:
     """Whether one kernel argument set (format, dtypes, strides) can stand for both ``a`` and ``b``."""
     return (a.format == b.format and a.weight.dtype == b.weight.dtype and a.shape == b.shape
@@ -92,13 +111,66 @@ if triton is not None:
     from wmtp.kernels.common import wait_prior
 
     @triton.jit
-    def e2m1_values(codes):
-        """e2m1 codes (uint8, 0..15; bit 3 the sign) -> fp32 values: the magnitude bits e e m placed
-        as an fp16's lowest exponent bits and first mantissa bit give 2^(e-15)(1 + m/2), or the
-        subnormal m 2^-15 for e = 0, which is the value times 2^-14."""
+    def _e2m1_f16(codes):
+        """e2m1 codes (uint8, 0..15; bit 3 the sign) -> their values times 2^-14 in fp32: the
+        magnitude bits e e m placed as an fp16's lowest exponent bits and first mantissa bit give
+        2^(e-15)(1 + m/2), or the subnormal m 2^-15 for e = 0."""
         c = codes.to(tl.uint16)
         bits = ((c & 7) << 9) | ((c & 8) << 12)
-        return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+        return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def e2m1_values(codes):
+        """e2m1 codes -> their fp32 values."""
+        return _e2m1_f16(codes) * 16384.0
+
+    @triton.jit
+    def e2m1_pairs(b, CVT: tl.constexpr):
+        """Each packed byte's two e2m1 values (low nibble, high nibble) in fp32, divided by 64 (the
+        callers fold the 64 into the group scale: a power of 2, exact). With CVT each nibble's bits go
+        where an e4m3 byte has them (s to bit 7, e e m to bits 4..2), which encodes the value / 64,
+        subnormals included; four bytes' nibbles move at once in one 32-bit register and
+        ``cvt.rn.f16x2.e4m3x2`` converts two values an instruction (sm_89+), against about ten
+        integer and float ops a value for the fp16 bit placement, which bound the NVFP4 GEMVs."""
+        if CVT:
+            return tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .b32 lo, hi, t, p<4>;
+                .reg .b16 l<2>, h<2>, f<8>;
+                and.b32 lo, $8, 0x07070707;
+                shl.b32 lo, lo, 2;
+                and.b32 t, $8, 0x08080808;
+                shl.b32 t, t, 4;
+                or.b32 lo, lo, t;
+                shr.u32 hi, $8, 2;
+                and.b32 hi, hi, 0x1C1C1C1C;
+                and.b32 t, $8, 0x80808080;
+                or.b32 hi, hi, t;
+                mov.b32 {l0, l1}, lo;
+                mov.b32 {h0, h1}, hi;
+                cvt.rn.f16x2.e4m3x2 p0, l0;
+                cvt.rn.f16x2.e4m3x2 p1, l1;
+                cvt.rn.f16x2.e4m3x2 p2, h0;
+                cvt.rn.f16x2.e4m3x2 p3, h1;
+                mov.b32 {f0, f1}, p0;
+                mov.b32 {f2, f3}, p1;
+                mov.b32 {f4, f5}, p2;
+                mov.b32 {f6, f7}, p3;
+                cvt.f32.f16 $0, f0;
+                cvt.f32.f16 $1, f1;
+                cvt.f32.f16 $2, f2;
+                cvt.f32.f16 $3, f3;
+                cvt.f32.f16 $4, f4;
+                cvt.f32.f16 $5, f5;
+                cvt.f32.f16 $6, f6;
+                cvt.f32.f16 $7, f7;
+                }
+                """,
+                constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+                args=[b], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        else:
+            return _e2m1_f16(b & 15) * 256.0, _e2m1_f16(b >> 4) * 256.0
 
     @triton.jit
     def x_step(X, x_off, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -118,12 +190,14 @@ if triton is not None:
             return xv, xv
 
     @triton.jit
-    def weight_dot(W, S, w_rows, s_rows, row_ok, xs, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    def weight_dot(W, S, w_rows, s_rows, row_ok, xs, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
+                   CVT: tl.constexpr):
         """fp32 ``sum_k weight[row, k] * x[k]`` over ``k`` in ``[k0, k0 + BLOCK_K)`` (and < K) for
         every row: ``w_rows`` / ``s_rows`` the rows' offsets into W / S (any shape; W may be a tensor of
         pointers broadcastable to it, as an expert's base beside its rows' offsets), ``xs`` the step's
         inputs (``x_step``, one row of x per row of ``w_rows`` less its last dim). Group scales
-        applied, not NVFP4's per-row second level (``row_scale``). FP8: BLOCK_K divides 128."""
+        applied, not NVFP4's per-row second level (``row_scale``). FP8: BLOCK_K divides 128. CVT:
+        ``e2m1_pairs``."""
         ok = tl.expand_dims(row_ok, -1)
         xe, xo = xs
         if FORMAT == 1:
@@ -133,10 +207,11 @@ if triton is not None:
             b = tl.load(tl.expand_dims(tl.expand_dims(W + w_rows, -1), -1) + kb,
                         mask=tl.expand_dims(ok, -1) & (kb < K // 2), other=0)
             xe, xo = tl.expand_dims(xe, -3), tl.expand_dims(xo, -3)  # beside the rows
-            part = tl.sum(e2m1_values(b & 15) * xe + e2m1_values(b >> 4) * xo, -1)
+            lo, hi = e2m1_pairs(b, CVT)
+            part = tl.sum(lo * xe + hi * xo, -1)
             gs = k0 // 16 + g
             sc = tl.load(S + tl.expand_dims(s_rows, -1) + gs, mask=ok & (gs < K // 16), other=0.0)
-            return tl.sum(part * sc.to(tl.float32), -1)
+            return tl.sum(part * (sc.to(tl.float32) * 64.0), -1)
         else:
             ks = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(tl.expand_dims(W + w_rows, -1) + ks, mask=ok & (ks < K), other=0.0).to(tl.float32)
@@ -155,7 +230,8 @@ if triton is not None:
 
     @triton.jit
     def weight_tile_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, k0, K, acc,
-                        FORMAT: tl.constexpr, WIDEN: tl.constexpr, PREC: tl.constexpr, BLOCK_K: tl.constexpr):
+                        FORMAT: tl.constexpr, WIDEN: tl.constexpr, PREC: tl.constexpr, BLOCK_K: tl.constexpr,
+                        CVT: tl.constexpr):
         """``acc + X[ts, k0:k0+BLOCK_K] @ weight[cols, k0:k0+BLOCK_K].T`` by tensor-core dots (rows of X
         padded to the dot's 16): the weight tile dequantized to X's dtype first, where it is exact
         (an NVFP4 value times its fp8 scale has at most 7 significant bits, an fp8 value 4); FP8's
@@ -169,13 +245,14 @@ if triton is not None:
             b = tl.load(W + cols[:, None, None] * stride_wn + kb, mask=col_ok[:, None, None] & kb_ok, other=0)
             gs = k0 // 16 + g
             sc = tl.load(S + cols[:, None] * stride_sn + gs[None, :], mask=col_ok[:, None] & (gs < K // 16)[None, :],
-                         other=0.0).to(tl.float32)[:, :, None]
+                         other=0.0).to(tl.float32)[:, :, None] * 64.0  # e2m1_pairs' values are / 64
             h = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             x_ok = t_ok[:, None] & (h < K // 2)[None, :]
             xe = tl.load(X + ts[:, None] * stride_xt + 2 * h[None, :], mask=x_ok, other=0.0)
             xo = tl.load(X + ts[:, None] * stride_xt + 2 * h[None, :] + 1, mask=x_ok, other=0.0)
-            lo = tl.reshape(e2m1_values(b & 15) * sc, (BN, BLOCK_K // 2))
-            hi = tl.reshape(e2m1_values(b >> 4) * sc, (BN, BLOCK_K // 2))
+            lo, hi = e2m1_pairs(b, CVT)
+            lo = tl.reshape(lo * sc, (BN, BLOCK_K // 2))
+            hi = tl.reshape(hi * sc, (BN, BLOCK_K // 2))
             if WIDEN:
                 xe = xe.to(tl.float32)
                 xo = xo.to(tl.float32)
