@@ -20,6 +20,7 @@ import torch
 def main() -> None:
     import triton.testing
 
+    from wmtp.bench.step import revision
     from wmtp.kernels.paged_attention import AttentionMeta, paged_attention
     from wmtp.models.context import ForwardContext, PagedSlots
 
@@ -78,7 +79,8 @@ def main() -> None:
     meta = {"hardware": torch.cuda.get_device_name(), "S": S, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": D,
             "page_size": page, "pool_layers": a.pool_layers, "table": a.table, "dtype": "bfloat16", "kv_dtype": a.kv_dtype, "timing": "triton.testing.do_bench_cudagraph"}
     with open(a.out, "w") as f:
-        json.dump({"kind": "attention_tuning", "meta": meta, "rows": rows}, f, indent=1)
+        json.dump({"commit": revision(),
+                   "kind": "attention_tuning", "meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

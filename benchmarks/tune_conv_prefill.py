@@ -23,6 +23,7 @@ def main() -> None:
     a = ap.parse_args()
     import triton.testing
 
+    from wmtp.bench.step import revision
     from wmtp.kernels.gdn import causal_conv1d_prefill
     from wmtp.kernels.torch_gdn import causal_conv1d
 
@@ -42,7 +43,8 @@ def main() -> None:
     print(f"torch {torch_ms * 1e3:.0f} us | kernel best {best['ms'] * 1e3:.0f} us "
           f"({floor_bytes / best['ms'] / 1e9:.2f} TB/s) at {best}", flush=True)
     with open(a.out, "w") as f:
-        json.dump({"kind": "conv_prefill_tuning", "hardware": torch.cuda.get_device_name(), "T": T, "C": C,
+        json.dump({"commit": revision(),
+                   "kind": "conv_prefill_tuning", "hardware": torch.cuda.get_device_name(), "T": T, "C": C,
                    "torch_ms": torch_ms, "floor_bytes": floor_bytes, "rows": rows}, f, indent=1)
 
 

@@ -23,6 +23,7 @@ def main() -> None:
     a = ap.parse_args()
     import triton.testing
 
+    from wmtp.bench.step import revision
     from wmtp.kernels.gdn import gdn_decode
 
     hk, hv, dk, dv, dev = 16, 32, 128, 128, torch.device("cuda")
@@ -53,7 +54,8 @@ def main() -> None:
         best = min((r for r in results if r["T"] == T), key=lambda r: r["us"])
         print(f"T={T}: best {best}", flush=True)
     with open(a.out, "w") as f:
-        json.dump({"command": "python benchmarks/tune_gdn.py --tokens " + a.tokens, "results": results}, f, indent=1)
+        json.dump({"commit": revision(),
+                   "command": "python benchmarks/tune_gdn.py --tokens " + a.tokens, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ def main() -> None:
                     help="the weights in this format (its QUANT_GRIDS); cuBLAS then runs on the bf16 weights")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    from wmtp.bench.step import revision
     from wmtp.bench.timing import cold_ms_per_call
     from wmtp.kernels.linear import LinearTiles, decode_linear, linear_tiles, quant_tiles, skinny_linear
     from wmtp.quant import FORMATS, QuantWeight
@@ -85,7 +86,8 @@ def main() -> None:
                      "chosen_ms": chosen_ms, "chosen_tiles": None if chosen is None else chosen._asdict(), "best": best,
                      "max_abs_err_vs_cublas": err, "all": results})
     with open(a.out, "w") as f:
-        json.dump({"kind": "linear_tuning", "hardware": torch.cuda.get_device_name(), "quantize": a.quantize,
+        json.dump({"commit": revision(),
+                   "kind": "linear_tuning", "hardware": torch.cuda.get_device_name(), "quantize": a.quantize,
                    "command": "python benchmarks/tune_linear.py " + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
 
 

@@ -23,6 +23,7 @@ def main() -> None:
     a = ap.parse_args()
     import triton.testing
 
+    from wmtp.bench.step import revision
     from wmtp.config import Mamba2Shape
     from wmtp.kernels.mamba2 import mamba2_decode, rollback_states
     from wmtp.kernels.torch_mamba2 import record_width
@@ -66,7 +67,8 @@ def main() -> None:
             results.append({"T": T, "rollback_us": us, "floor_bytes": 2 * state_bytes})
             print(f"T={T} rollback {us:7.2f} us  {2 * state_bytes / us / 1e6:5.2f} TB/s", flush=True)
     with open(a.out, "w") as f:
-        json.dump({"command": "python benchmarks/tune_mamba2.py --tokens " + a.tokens, "shape": "nemotron-3-super mamba2",
+        json.dump({"commit": revision(),
+                   "command": "python benchmarks/tune_mamba2.py --tokens " + a.tokens, "shape": "nemotron-3-super mamba2",
                    "hardware": torch.cuda.get_device_name(), "results": results}, f, indent=1)
 
 

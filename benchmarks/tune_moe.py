@@ -82,6 +82,7 @@ def sweep(name: str, fn: Callable[..., torch.Tensor], layers: int, nbytes: int, 
 
 def main() -> None:
     a = parse_args()
+    from wmtp.bench.step import revision
     from wmtp.kernels.moe import down_combine, route_topk, swiglu_gemv_with_shared
 
     dev, dt, E, H, I, Is, k = "cuda", torch.bfloat16, a.experts, a.hidden, a.inter, a.shared_inter, a.top_k
@@ -131,7 +132,8 @@ def main() -> None:
             out.append(sweep("down_combine_shared", combine, a.layers, distinct * nbytes(H, I) + nbytes(H, Is), T,
                              grids["down_combine_shared"]))
     with open(a.out, "w") as f:
-        json.dump({"kind": "moe_tuning", "hardware": torch.cuda.get_device_name(), "layers": a.layers,
+        json.dump({"commit": revision(),
+                   "kind": "moe_tuning", "hardware": torch.cuda.get_device_name(), "layers": a.layers,
                    "quantize": a.quantize, "command": "python benchmarks/tune_moe.py " + " ".join(sys.argv[1:]),
                    "rows": out}, f, indent=1)
 
