@@ -52,7 +52,7 @@ for p in "${presets[@]}"; do
   [[ $parts == *seats* ]] && run "seats $p" python3 -m wmtp bench step --preset "$p" --context 131072 -d 7 --iters 20 \
     --admission --max-admit 64 --out "$WORK/step_131k_$p.json"
   [[ $parts == *ttft* ]] && run "ttft $p" python3 -m wmtp bench ttft --preset "$p" --modes native,windowed --tokens 131072 \
-    --chunk 8192 --out "$WORK/ttft_131k_$p.json"
+    --chunk 8192 --split --out "$WORK/ttft_131k_$p.json"
   [[ $parts == *kvfp8* ]] && run "kv fp8 $p" python3 -m wmtp bench step --preset "$p" --context 1040000 -d 7 --iters 60 \
     --modes dense,dense:kv-fp8,native,native:kv-fp8,windowed,windowed:kv-fp8 --admission \
     --out "$WORK/step_1m_kv_fp8_$p.json"
@@ -60,7 +60,7 @@ done
 # a 1.04M-token prompt and another sharing all but its last 200 tokens, one mode per call (TTFT1M, comma-separated;
 # each takes about 5 minutes with the model load), merged into one file
 for m in ${TTFT1M//,/ }; do
-  run "ttft 1m $m" python3 -m wmtp bench ttft --tokens 1040000 --repeat-suffix 200 --chunk 16384 --modes "$m" \
+  run "ttft 1m $m" python3 -m wmtp bench ttft --tokens 1040000 --repeat-suffix 200 --chunk 16384 --modes "$m" --split \
     --out "$WORK/prefix_ttft_1m_qwen3.6-35b-a3b.json"
 done
 # the multi-turn serving run needs the serve extra's wheels in .whl/ (fastapi, starlette, uvicorn, httpx and

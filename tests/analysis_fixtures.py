@@ -141,7 +141,9 @@ def _rows_diff(rng):
 
 def _rows_ttft(rng):
     return [{"mode": m, "tokens": 131072, "chunk": 8192, "ttft_s": rng.uniform(5, 8), "repeat_suffix": 200,
-             "repeat_ttft_s": 0.6, "repeat_cached_tokens": 122880} for m in ("native", "windowed")]
+             "repeat_ttft_s": 0.6, "repeat_cached_tokens": 122880,
+             "split_s": {"attention": 2.0, "recurrent": 1.0, "moe": 1.5, "mlp": 0.0, "rest": 0.5}}
+            for m in ("native", "windowed")]
 
 
 def _rows_peer(rng):

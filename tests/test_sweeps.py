@@ -329,3 +329,20 @@ def test_resume_runs_only_what_is_missing(tmp_path, capsys):
     again = _rows(tmp_path, "context_sweep")[0]["t_iter_s"]
     assert len(again) == 3 and again[:2] == first
     assert main(argv + ["--runs", "2"]) == 0 and " run 1: " in capsys.readouterr().out  # no --resume: afresh
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5-moe", "tiny-nemotron-h"])
+def test_bench_ttft_split_adds_up_to_the_prefill(preset, tmp_path):
+    """``bench ttft --split``: the prefill's time inside attention, recurrent (GDN / Mamba2), MoE and
+    MLP layers and the rest add up to its TTFT; a MoE's shared-expert MLP counts once, as MoE (the
+    Qwen preset has no dense MLP layer)."""
+    out = tmp_path / "ttft.json"
+    assert main(["bench", "ttft", "--preset", preset, "--device", "cpu", "--tokens", "100", "--chunk", "32",
+                 "--modes", "windowed", "--window", "32", "--sink", "4", "-d", "3", "--split", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    split = row["split_s"]
+    assert set(split) == {"attention", "recurrent", "moe", "mlp", "rest"}
+    assert min(split["attention"], split["recurrent"], split["moe"], split["rest"]) > 0
+    assert sum(split.values()) == pytest.approx(row["ttft_s"])
+    if preset == "tiny-qwen3.5-moe":
+        assert split["mlp"] == 0

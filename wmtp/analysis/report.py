@@ -310,6 +310,12 @@ def section_ttft(rep: Report, f: ResultFile) -> None:
               [[r["mode"], r["tokens"], r.get("chunk", "–"), fmt(r["ttft_s"])]
                + ([r.get("repeat_suffix", "–"), fmt(r.get("repeat_ttft_s")), r.get("repeat_cached_tokens", "–")]
                   if repeat else []) for r in f.rows])
+    kinds = ("attention", "recurrent", "moe", "mlp", "rest")
+    split = [r for r in f.rows if "split_s" in r]
+    if split:
+        rep.add("", "Time of the first prefill inside each kind of layer (target and draft head, CUDA events around "
+                "each layer; attention includes its projections), s:", "")
+        rep.table(["mode", *kinds], [[r["mode"], *(fmt(r["split_s"].get(k)) for k in kinds)] for r in split])
     by = {r["mode"]: r["ttft_s"] for r in f.rows}
     if "native" in by and "windowed" in by:
         rep.add(f"- native / windowed TTFT = {by['native'] / by['windowed']:.3f} (the windowed draft prefill writes "

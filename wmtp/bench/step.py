@@ -350,11 +350,25 @@ def run_step(a: argparse.Namespace, bw: dict | None = None, tp: TPGroup | None =
     return 0
 
 
+def prefill_kinds() -> dict[str, tuple[type, ...]]:
+    """The module kinds ``bench ttft --split`` times a prefill by (whole layers: the attention's
+    projections are attention)."""
+    from wmtp.models.layers import MLP, Attention, GatedDeltaNet, SparseMoE
+    from wmtp.models.nemotron_h import LatentMoE, Mamba2Mixer, ReLU2MLP
+
+    return {"attention": (Attention,), "recurrent": (GatedDeltaNet, Mamba2Mixer), "moe": (SparseMoE, LatentMoE),
+            "mlp": (MLP, ReLU2MLP)}
+
+
 def _prefill_seconds(model, mode: str, a: argparse.Namespace, prompts: list[list[int]],
-                     prefix_cache: bool = False) -> list[tuple[float, int]]:
+                     prefix_cache: bool = False, split_into: dict[str, float] | None = None) -> list[tuple[float, int]]:
     """Per prompt, one after another in one engine of ``mode`` (a label, ``parse_mode``): (wall time
     from adding the request to its first token, a real chunked prefill; prompt tokens it took from
-    the prefix cache)."""
+    the prefix cache). ``split_into``: filled with the first prompt's time inside each of
+    ``prefill_kinds`` (target and draft head) and the ``rest`` (embedding, norms, heads, the engine)."""
+    import contextlib
+
+    from wmtp.bench.timing import ModuleTimes
     from wmtp.engine.sampling import SamplingParams
 
     eng = Engine(model, _spec(mode, a.d, a.window, a.sink),
@@ -362,14 +376,19 @@ def _prefill_seconds(model, mode: str, a: argparse.Namespace, prompts: list[list
                               prefill_chunk=a.chunk, prefix_cache=prefix_cache,
                               prefix_snapshot_interval=a.snapshot_interval, kv_cache_dtype=kv_dtype(mode)))
     out = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
+        times = ModuleTimes(model, prefill_kinds(), torch.device(a.device)) if split_into is not None and i == 0 else None
         _sync(a.device)
         t0 = time.perf_counter()
-        rid = eng.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
-        while eng.requests[rid].metrics.first_token_time is None:
-            eng.step()
-        _sync(a.device)
+        with times or contextlib.nullcontext():
+            rid = eng.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+            while eng.requests[rid].metrics.first_token_time is None:
+                eng.step()
+            _sync(a.device)
         out.append((time.perf_counter() - t0, eng.requests[rid].metrics.cached_tokens))
+        if times is not None:
+            split_into.update(times.seconds())
+            split_into["rest"] = out[-1][0] - sum(split_into.values())
         while eng.has_unfinished():  # its pages go to the prefix cache when it finishes
             eng.step()
     del eng
@@ -412,12 +431,15 @@ def run_ttft(a: argparse.Namespace, tp: TPGroup | None = None) -> int:
         # would otherwise land in whichever mode runs first
         _prefill_seconds(model, mode, a, [prompt[:warm]])
         row = {"mode": mode, "tokens": a.tokens, "chunk": a.chunk, "warmup_tokens": warm}
+        split = {} if a.split else None
         if a.repeat_suffix:
             (row["ttft_s"], _), (row["repeat_ttft_s"], row["repeat_cached_tokens"]) = _prefill_seconds(
-                model, mode, a, [prompt, repeat_prompt(prompt, a.repeat_suffix, model.config.vocab_size)], True)
+                model, mode, a, [prompt, repeat_prompt(prompt, a.repeat_suffix, model.config.vocab_size)], True, split)
             row["repeat_suffix"] = a.repeat_suffix
         else:
-            row["ttft_s"] = _prefill_seconds(model, mode, a, [prompt])[0][0]
+            row["ttft_s"] = _prefill_seconds(model, mode, a, [prompt], split_into=split)[0][0]
+        if split is not None:
+            row["split_s"] = split
         rows.append(row)
         repeat = (f"; again with another {a.repeat_suffix}-token suffix: {row['repeat_ttft_s']:.2f} s "
                   f"({row['repeat_cached_tokens']} tokens cached)") if a.repeat_suffix else ""
@@ -483,6 +505,9 @@ def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
                                 "caching on (ttft_s is then the first request's with the cache on)")
             s.add_argument("--snapshot-interval", type=int, default=EngineConfig.prefix_snapshot_interval,
                            help="--repeat-suffix: pages between prefix snapshots")
+            s.add_argument("--split", action="store_true",
+                           help="also the prefill's time inside attention, recurrent (GDN / Mamba2), MoE and MLP "
+                                "layers (CUDA events around each, in the timed run) and the rest")
     from wmtp.bench.depth import add_args as add_depth_args
     from wmtp.bench.kv_dtype import add_args as add_kv_logits_args
     from wmtp.bench.multiturn import add_args as add_multiturn_args
