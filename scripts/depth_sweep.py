@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -69,11 +70,16 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=1024)
     ap.add_argument("--out", default="benchmarks/results/acceptance/depth.json")
     ap.add_argument("--traces-out", default="benchmarks/results/acceptance/depth_traces.json")
+    ap.add_argument("--configs", default=",".join(configs()),
+                    help=f"which of {','.join(configs())} to run (traces need d{TRACE_D})")
     a = ap.parse_args()
+    unknown = set(a.configs.split(",")) - set(configs())
+    if unknown or "auto" not in a.configs.split(","):
+        raise SystemExit(f"depth_sweep: --configs must include auto and name only {list(configs())} (got {a.configs})")
     from wmtp.workloads import make_workload
 
     model = load(a.model, a.head)
-    specs = configs()
+    specs = {n: s for n, s in configs().items() if n in a.configs.split(",")}
     names = list(specs)
     rows, traces, warm = [], {}, {}
     for i, task in enumerate(a.tasks):
@@ -94,7 +100,8 @@ def main() -> None:
                          "equal_dense": all(x["tokens"] == dense["tokens"] for x in runs[n])})
             print(f"{task:16s} {n:5s} TPOT {rows[-1]['tpot_s'] * 1e3:7.1f} ms AL {rows[-1]['al']:.3f} "
                   f"γ {rows[-1]['gamma_histogram']} equal_dense={rows[-1]['equal_dense']}", flush=True)
-        traces[task] = runs[f"d{TRACE_D}"][0]["runs"]
+        if f"d{TRACE_D}" in runs:
+            traces[task] = runs[f"d{TRACE_D}"][0]["runs"]
         write(rows, traces, a)  # after every prompt: a run cut short keeps what it measured
 
 
@@ -104,30 +111,32 @@ def write(rows: list[dict], traces: dict[str, list[int]], a: argparse.Namespace)
 
     from wmtp.bench.step import hardware_name, revision
 
-    summary, names = [], list(configs())
+    summary, names = [], list(dict.fromkeys(r["config"] for r in rows))
     for task in dict.fromkeys(r["trace"] for r in rows):
         mine = {r["config"]: r for r in rows if r["trace"] == task}
         best = min((n for n in names if n != "auto"), key=lambda n: mine[n]["tpot_s"])
         # paired within each round (the two ran minutes apart, not a round apart): the host's drift cancels
         paired = statistics.median(x / y for x, y in zip(mine["auto"]["tpot_rounds_s"], mine[best]["tpot_rounds_s"]))
         summary.append({"trace": task, "best_fixed": best, "auto_over_best": mine["auto"]["tpot_s"] / mine[best]["tpot_s"],
-                        "auto_over_best_paired": paired, "auto_over_d7": mine["auto"]["tpot_s"] / mine["d7"]["tpot_s"]})
+                        "auto_over_best_paired": paired})
+        if "d7" in mine:
+            summary[-1]["auto_over_d7"] = mine["auto"]["tpot_s"] / mine["d7"]["tpot_s"]
         print(summary[-1], flush=True)
     what = (f"SmolLM2-135M + its MTP head, windowed W=512 sink=16, greedy, real acceptance: TPOT of auto (d_max "
             f"{max(FIXED)}; its controller and pooled acceptance carried from prompt to prompt after one untimed "
-            f"calibration run, as in a serving engine) and of each fixed d, median over {a.rounds} rounds in "
-            f"rotated order")
+            f"calibration run, as in a serving engine) and of {', '.join(n for n in names if n != 'auto')}, median "
+            f"over {a.rounds} rounds in rotated order")
     meta = {"hardware": hardware_name("cpu"), "model": "smollm2-135m + MTP head", "dtype": "float32",
-            "synthetic": False, "runs": 1, "command": f"PYTHONPATH=. python scripts/depth_sweep.py --gen {a.gen} "
-            f"--rounds {a.rounds}", "date": datetime.date.today().isoformat(), "commit": revision(), "what": what,
+            "synthetic": False, "runs": 1, "command": "PYTHONPATH=. python scripts/depth_sweep.py " + " ".join(sys.argv[1:]), "date": datetime.date.today().isoformat(), "commit": revision(), "what": what,
             "prompts": f"{len(a.tasks)} chat-wrapped RULER prompts of {a.tokens} tokens (seed {a.seed}), {a.gen} "
                        "tokens each with ignore_eos"}
     Path(a.out).write_text(json.dumps({"kind": "adaptive_depth", "schema": 1, "meta": meta, "rows": rows,
                                        "summary": summary}, indent=1) + "\n")
-    Path(a.traces_out).write_text(json.dumps({
-        "what": f"acceptance run lengths per iteration of the d={TRACE_D} runs of {a.out} (censored at gamma)",
-        "gamma": TRACE_D - 1, "traces": traces}) + "\n")
-    print(f"wrote {a.out} and {a.traces_out}")
+    if traces:
+        Path(a.traces_out).write_text(json.dumps({
+            "what": f"acceptance run lengths per iteration of the d={TRACE_D} runs of {a.out} (censored at gamma)",
+            "gamma": TRACE_D - 1, "traces": traces}) + "\n")
+    print(f"wrote {a.out}" + (f" and {a.traces_out}" if traces else ""))
 
 
 if __name__ == "__main__":
