@@ -114,8 +114,15 @@ if triton is not None:
 
 
 @functools.cache
-def _hopper_or_newer(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def gpu_feature(device: torch.device, capability: tuple[int, int], off_var: str) -> bool:
+    """Whether a kernel may use a GPU feature: a CUDA device of at least ``capability`` (compiled, not
+    under the CPU interpreter), unless the environment sets ``off_var=0``."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get(off_var) != "0"
+            and _capability(device.index if device.index is not None else torch.cuda.current_device()) >= capability)
 
 
 def pdl(device: torch.device) -> dict[str, bool]:
@@ -125,6 +132,4 @@ def pdl(device: torch.device) -> dict[str, bool]:
     it: 0.5-0.6 us a launch in a CUDA graph of chained GEMVs, and a dense 1.04M-token step 2.9%
     shorter, on the H200 (2543520; benchmarks/results/HISTORY.md). On for CUDA devices of compute capability 9.0+
     (griddepcontrol), off under the CPU interpreter and with ``WMTP_PDL=0``."""
-    on = (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("WMTP_PDL") != "0"
-          and _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device()))
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if gpu_feature(device, (9, 0), "WMTP_PDL") else {"PDL": False}

@@ -20,13 +20,11 @@ converts two at a time (``e2m1_pairs``), elsewhere into fp16 bits (``e2m1_values
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import NamedTuple
 
 import torch
 
-from wmtp.kernels.common import pdl
+from wmtp.kernels.common import gpu_feature, pdl
 from wmtp.quant import FP8Block, FP8Tensor, NVFP4, QuantWeight
 
 try:
@@ -85,20 +83,12 @@ def kernel_weight(name: str, w: torch.Tensor | QuantWeight) -> KernelWeight:
     return kw
 
 
-@functools.cache
-def _converts_e4m3(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9)
-
-
 def e2m1_cvt(device: torch.device) -> dict[str, bool]:
     """The ``CVT`` launch argument of the kernels that read NVFP4 tiles at decode sizes: the e2m1
     codes decode through ``cvt.rn.f16x2.e4m3x2`` (``e2m1_pairs``) on CUDA devices of compute
     capability 8.9+; off under the CPU interpreter and with ``WMTP_E2M1_CVT=0``. Both decodes give
     the same values: the kernels' results do not depend on it."""
-    on = (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-          and os.environ.get("WMTP_E2M1_CVT") != "0"
-          and _converts_e4m3(device.index if device.index is not None else torch.cuda.current_device()))
-    return {"CVT": on}
+    return {"CVT": gpu_feature(device, (8, 9), "WMTP_E2M1_CVT")}
 
 
 def same_layout(a: KernelWeight, b: KernelWeight) -> bool:
