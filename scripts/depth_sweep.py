@@ -73,13 +73,13 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(configs()),
                     help=f"which of {','.join(configs())} to run (traces need d{TRACE_D})")
     a = ap.parse_args()
-    unknown = set(a.configs.split(",")) - set(configs())
-    if unknown or "auto" not in a.configs.split(","):
+    wanted = a.configs.split(",")
+    if set(wanted) - set(configs()) or "auto" not in wanted:
         raise SystemExit(f"depth_sweep: --configs must include auto and name only {list(configs())} (got {a.configs})")
     from wmtp.workloads import make_workload
 
     model = load(a.model, a.head)
-    specs = {n: s for n, s in configs().items() if n in a.configs.split(",")}
+    specs = {n: s for n, s in configs().items() if n in wanted}
     names = list(specs)
     rows, traces, warm = [], {}, {}
     for i, task in enumerate(a.tasks):
@@ -127,7 +127,8 @@ def write(rows: list[dict], traces: dict[str, list[int]], a: argparse.Namespace)
             f"calibration run, as in a serving engine) and of {', '.join(n for n in names if n != 'auto')}, median "
             f"over {a.rounds} rounds in rotated order")
     meta = {"hardware": hardware_name("cpu"), "model": "smollm2-135m + MTP head", "dtype": "float32",
-            "synthetic": False, "runs": 1, "command": "PYTHONPATH=. python scripts/depth_sweep.py " + " ".join(sys.argv[1:]), "date": datetime.date.today().isoformat(), "commit": revision(), "what": what,
+            "synthetic": False, "runs": 1, "command": "PYTHONPATH=. python scripts/depth_sweep.py " + " ".join(sys.argv[1:]),
+            "date": datetime.date.today().isoformat(), "commit": revision(), "what": what,
             "prompts": f"{len(a.tasks)} chat-wrapped RULER prompts of {a.tokens} tokens (seed {a.seed}), {a.gen} "
                        "tokens each with ignore_eos"}
     Path(a.out).write_text(json.dumps({"kind": "adaptive_depth", "schema": 1, "meta": meta, "rows": rows,
