@@ -7,7 +7,7 @@
 # and the models of step / ttft / seats with PRESETS (comma-separated preset names), the formats
 # whose decode kernels' tiles are swept with QTUNE (nvfp4,fp8), the tiny presets of identity with
 # IDENTITY (default: all), the multi-turn runs with MULTITURN (off,on), the 1M prefix-cache TTFT modes with
-# TTFT1M (dense,native,windowed); the suite
+# TTFT1M (dense,native,windowed), the presets profiled at 1.04M with PROFILE; the suite
 # resumes from $WORK (kept on the machine between calls); every part stops by $DEADLINE seconds.
 #   run from the repo root with WMTP_COMMIT set to the commit the tree holds; everything lands in
 #   $OUT/results.tgz (+ log.txt), refreshed after each part. Pure-Python wheels in .whl/ (fla-core)
@@ -58,10 +58,12 @@ for p in "${presets[@]}"; do
     --out "$WORK/step_1m_kv_fp8_$p.json"
 done
 # a 1.04M-token prompt and another sharing all but its last 200 tokens, one mode per call (TTFT1M, comma-separated;
-# each takes about 5 minutes with the model load), merged into one file
-for m in ${TTFT1M//,/ }; do
-  run "ttft 1m $m" python3 -m wmtp bench ttft --tokens 1040000 --repeat-suffix 200 --chunk 16384 --modes "$m" --split \
-    --out "$WORK/prefix_ttft_1m_qwen3.6-35b-a3b.json"
+# each takes about 5 minutes with the model load), merged into one file per preset (PRESETS)
+for p in "${presets[@]}"; do
+  for m in ${TTFT1M//,/ }; do
+    run "ttft 1m $p $m" python3 -m wmtp bench ttft --preset "$p" --tokens 1040000 --repeat-suffix 200 --chunk 16384 \
+      --modes "$m" --split --out "$WORK/prefix_ttft_1m_$p.json"
+  done
 done
 # the multi-turn serving run needs the serve extra's wheels in .whl/ (fastapi, starlette, uvicorn, httpx and
 # their dependencies); cache off and on in separate calls, merged into one file
@@ -87,4 +89,9 @@ fi
   --k-iters 12 --batch-ladder 1,2 --deadline "$(left)" --resume
 [[ $parts == *batch* ]] && run batch python3 -m wmtp bench suite --out "$WORK/sweeps_131k" --sweeps batch \
   --context 131072 --runs 2 --batch-ladder 1,4,16 --iters 30 --warmup 3 --deadline "$(left)" --resume
+# torch.profiler over captured decode iterations at 1.04M, dense and windowed, per preset in PROFILE
+for p in ${PROFILE//,/ }; do
+  run "profile $p" python3 benchmarks/profile_step.py --preset "$p" --modes dense,windowed --graphs auto \
+    --out "$WORK/profile_1m_$p.txt" --timeline "$WORK/timeline_1m_$p.json"
+done
 exit 0
