@@ -6,7 +6,11 @@ BLOCK_K, num_warps, num_stages) of a per-kernel grid:
 - ``swiglu_routed_shared``: ``swiglu_gemv_with_shared``, T tokens x top-8 of 256 routed experts
   plus the shared expert's T rows in one launch;
 - ``down_combine_shared``: ``down_combine`` of the top-8 experts' down projections (the experts
-  loaded as one [top_k, BLOCK_N, BLOCK_K] tile per K step) plus the shared expert's, gated.
+  loaded as one [top_k, BLOCK_N, BLOCK_K] tile per K step) plus the shared expert's, gated;
+- ``relu2_up``: ``relu2_gemv``, the ungated up projection of Nemotron-H's experts (T x top-k pairs).
+
+Other expert shapes take ``--experts / --hidden / --inter / --top-k`` (Nemotron-3-Super's latent
+experts: 512 x [2688, 1024], top 22, ``--hidden 1024 --inter 2688``).
 
 Weights are cold as in a decode iteration, where every layer reads its own experts: each timed
 graph runs the launch over ``--layers`` sets of weights in turn (the same routing) and the time is
@@ -31,14 +35,17 @@ import torch
 GRIDS = {
     "swiglu_routed_shared": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (2, 3, 4))),
     "down_combine_shared": list(itertools.product((2, 4, 8, 16), (64, 128, 256, 512), (4, 8), (2, 3))),
+    "relu2_up": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (2, 3, 4))),
 }
 # quantized experts (--quantize): fewer stages / warps, K steps the format allows (FP8: within a
 # 128-input scale block)
 QUANT_GRIDS = {
     "nvfp4": {"swiglu_routed_shared": list(itertools.product((8, 16), (128, 256, 512), (4, 8), (3,))),
-              "down_combine_shared": list(itertools.product((4, 8, 16), (64, 128, 256), (4, 8), (2,)))},
+              "down_combine_shared": list(itertools.product((2, 4, 8, 16), (64, 128, 256), (4, 8), (2,))),
+              "relu2_up": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (3,)))},
     "fp8": {"swiglu_routed_shared": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,))),
-            "down_combine_shared": list(itertools.product((4, 8, 16), (64, 128), (4, 8), (2,)))},
+            "down_combine_shared": list(itertools.product((4, 8, 16), (64, 128), (4, 8), (2,))),
+            "relu2_up": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,)))},
 }
 
 
@@ -83,7 +90,7 @@ def sweep(name: str, fn: Callable[..., torch.Tensor], layers: int, nbytes: int, 
 def main() -> None:
     a = parse_args()
     from wmtp.bench.step import revision
-    from wmtp.kernels.moe import down_combine, route_topk, swiglu_gemv_with_shared
+    from wmtp.kernels.moe import down_combine, relu2_gemv, route_topk, swiglu_gemv_with_shared
 
     dev, dt, E, H, I, Is, k = "cuda", torch.bfloat16, a.experts, a.hidden, a.inter, a.shared_inter, a.top_k
     cases = set(a.cases.split(","))
@@ -124,6 +131,9 @@ def main() -> None:
             h, h_shared = hs[layer]
             return down_combine(h, weights[layer][1], i, w, k, shared=(h_shared, weights[layer][4], gate_s), **c)
 
+        def relu2(layer: int, **c) -> torch.Tensor:
+            return relu2_gemv(x, rows(weights[layer][0], 0, I), idx, k, **c)
+
         distinct = int(torch.unique(i).numel())
         if "swiglu_routed_shared" in cases:
             out.append(sweep("swiglu_routed_shared", swiglu, a.layers, 2 * (distinct * nbytes(I, H) + nbytes(Is, H)), T,
@@ -131,6 +141,8 @@ def main() -> None:
         if "down_combine_shared" in cases:
             out.append(sweep("down_combine_shared", combine, a.layers, distinct * nbytes(H, I) + nbytes(H, Is), T,
                              grids["down_combine_shared"]))
+        if "relu2_up" in cases:
+            out.append(sweep("relu2_up", relu2, a.layers, distinct * nbytes(I, H), T, grids["relu2_up"]))
     with open(a.out, "w") as f:
         json.dump({"commit": revision(),
                    "kind": "moe_tuning", "hardware": torch.cuda.get_device_name(), "layers": a.layers,
