@@ -7,6 +7,8 @@ BLOCK_K, num_warps, num_stages) of a per-kernel grid:
   plus the shared expert's T rows in one launch;
 - ``down_combine_shared``: ``down_combine`` of the top-8 experts' down projections (the experts
   loaded as one [top_k, BLOCK_N, BLOCK_K] tile per K step) plus the shared expert's, gated;
+- ``down_pairs``: ``down_combine`` without a shared expert (past ``MAX_FUSED_TOP_K`` experts a token:
+  the pair-wise GEMV's tile, then the combine);
 - ``relu2_up``: ``relu2_gemv``, the ungated up projection of Nemotron-H's experts (T x top-k pairs).
 
 Other expert shapes take ``--experts / --hidden / --inter / --top-k`` (Nemotron-3-Super's latent
@@ -36,16 +38,19 @@ GRIDS = {
     "swiglu_routed_shared": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (2, 3, 4))),
     "down_combine_shared": list(itertools.product((2, 4, 8, 16), (64, 128, 256, 512), (4, 8), (2, 3))),
     "relu2_up": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (2, 3, 4))),
+    "down_pairs": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (2, 3, 4))),
 }
 # quantized experts (--quantize): fewer stages / warps, K steps the format allows (FP8: within a
 # 128-input scale block)
 QUANT_GRIDS = {
     "nvfp4": {"swiglu_routed_shared": list(itertools.product((8, 16), (128, 256, 512), (4, 8), (3,))),
               "down_combine_shared": list(itertools.product((2, 4, 8, 16), (64, 128, 256), (4, 8), (2,))),
-              "relu2_up": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (3,)))},
+              "relu2_up": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (3,))),
+              "down_pairs": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (3,)))},
     "fp8": {"swiglu_routed_shared": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,))),
             "down_combine_shared": list(itertools.product((4, 8, 16), (64, 128), (4, 8), (2,))),
-            "relu2_up": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,)))},
+            "relu2_up": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,))),
+            "down_pairs": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,)))},
 }
 
 
@@ -141,6 +146,11 @@ def main() -> None:
         if "down_combine_shared" in cases:
             out.append(sweep("down_combine_shared", combine, a.layers, distinct * nbytes(H, I) + nbytes(H, Is), T,
                              grids["down_combine_shared"]))
+        def pairs(layer: int, **c) -> torch.Tensor:
+            return down_combine(hs[layer][0], weights[layer][1], i, w, k, **c)
+
+        if "down_pairs" in cases:
+            out.append(sweep("down_pairs", pairs, a.layers, distinct * nbytes(H, I), T, grids["down_pairs"]))
         if "relu2_up" in cases:
             out.append(sweep("relu2_up", relu2, a.layers, distinct * nbytes(I, H), T, grids["relu2_up"]))
     with open(a.out, "w") as f:

@@ -113,7 +113,9 @@ def test_swiglu_gemv_with_shared_matches_reference(inter_s, tokens, dtype):
     assert shared.shape == (tokens, inter_s) and _close(shared, _swiglu_reference(x, sg, su))
 
 
-@pytest.mark.parametrize("top_k", [3, 6])  # neither a power of two: the padded expert slots must not count
+# 3, 6: neither a power of two, the padded expert slots must not count; 12: past MAX_FUSED_TOP_K (pair-wise
+# rows, then the combine) without the shared expert
+@pytest.mark.parametrize("top_k", [3, 6, 12])
 @pytest.mark.parametrize("with_shared", [False, True])
 def test_down_combine_matches_reference(with_shared, top_k):
     g = torch.Generator().manual_seed(top_k)

@@ -47,6 +47,13 @@ MAX_GEMV_PAIRS = 256
 # quantized ungated (ReLU²) experts take the pair-wise GEMV up to this many tokens, whatever their
 # pairs: the grouped path dequantizes every expert first (Nemotron-3-Super: 11 GB a layer)
 QUANT_GEMV_TOKENS = 64
+# The experts' activation in ``_swiglu_gemv_kernel`` (ACT): SwiGLU, ReLU², or none (a down projection)
+SWIGLU, RELU2, LINEAR = 0, 1, 2
+# down_combine holds a token's experts as one [TOP_K_P, BLOCK_N, BLOCK_K] register tile; past this many
+# experts a token the tile leaves BLOCK_N too few rows for the grid to fill the GPU (Nemotron-3-Super's
+# 22: 172 us a token at the best fused tile against the pair-wise GEMV's; benchmarks/tune_moe.py), so
+# the experts' rows run pair by pair and a second launch combines them
+MAX_FUSED_TOP_K = 8
 
 
 if triton is not None:
@@ -105,11 +112,13 @@ if triton is not None:
     @triton.jit
     def _swiglu_gemv_kernel(X, WG, WU, CG, CU, RG, RU, IDX, SG, SU, SCG, SCU, SRG, SRU, OUT, P, N, NS, K,
                             stride_we, stride_wn, stride_ce, stride_cn, stride_re, stride_sn, stride_scn,
-                            TOP_K: tl.constexpr, FORMAT: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+                            TOP_K: tl.constexpr, FORMAT: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, CVT: tl.constexpr, PDL: tl.constexpr):
         """Weights in FORMAT (``quant_tiles``): routed gate / up W*, their group scales C*, per-row
-        scales R* (leading expert strides *_e); the shared expert's S*, SC*, SR*. GATED:
-        ``silu(gate x) * (up x)``; else ``relu(up x)^2`` (the gate arguments unread)."""
+        scales R* (leading expert strides *_e); the shared expert's S*, SC*, SR*. ACT ``SWIGLU``:
+        ``silu(gate x) * (up x)``; ``RELU2``: ``relu(up x)^2``; ``LINEAR``: ``up x`` (the gate
+        arguments unread but by SwiGLU)."""
+        GATED: tl.constexpr = ACT == 0
         wait_prior(PDL)
         p = tl.program_id(0)
         nb = tl.program_id(1)
@@ -144,9 +153,11 @@ if triton is not None:
             g = row_scale(g, tl.where(sh, SRG, RG + e * stride_re), rows, row_ok, FORMAT)
             g = g.to(dt).to(tl.float32)
             h = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
-        else:
+        elif ACT == 1:
             h = tl.maximum(u, 0.0)
             h = h * h
+        else:
+            h = u
         tl.store(out + rows, h.to(dt), mask=row_ok)
 
     @triton.jit
@@ -271,7 +282,13 @@ def swiglu_gemv(x: torch.Tensor, w_gate: Weight, w_up: Weight, idx: torch.Tensor
 def relu2_gemv(x: torch.Tensor, w_up: Weight, idx: torch.Tensor, top_k: int = 1, **launch) -> torch.Tensor:
     """``relu(w_up[idx[p]] @ x[p // top_k])^2`` for every pair p (ungated experts, Nemotron-H); the
     rest as ``swiglu_gemv``."""
-    return _swiglu_launch("relu2_gemv", x, w_up, w_up, idx, top_k, None, launch, gated=False)[0]
+    return _swiglu_launch("relu2_gemv", x, w_up, w_up, idx, top_k, None, launch, act=RELU2)[0]
+
+
+def expert_gemv(name: str, h: torch.Tensor, w: Weight, idx: torch.Tensor, **launch) -> torch.Tensor:
+    """``w[idx[p]] @ h[p]`` for every pair p, rounded to h's dtype: h [P, K], w [E, N, K], idx [P].
+    Returns [P, N]."""
+    return _swiglu_launch(name, h, w, w, idx, 1, None, launch, act=LINEAR)[0]
 
 
 def swiglu_gemv_with_shared(x: torch.Tensor, w_gate: Weight, w_up: Weight, idx: torch.Tensor, top_k: int,
@@ -304,7 +321,7 @@ def _check_shared_swiglu(name: str, routed: KernelWeight, sg: KernelWeight, su: 
 
 def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx: torch.Tensor,
                    top_k: int, shared: tuple[Weight, Weight] | None, launch: dict[str, int],
-                   gated: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   act: int = SWIGLU) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Checks and launches ``_swiglu_gemv_kernel`` over the P routed rows and, with ``shared``, the T
     shared-expert rows; returns (routed [P, N], shared [T, Ns] or None)."""
     T, K = x.shape
@@ -325,8 +342,16 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
         # for the 35B shape with the shared rows folded in (9.8 / 52.7 us; benchmarks/tune_moe.py)
         # quantized: 16 x 256 (8 warps) for a token, 16 x 128 (4 warps) for a verify's, best on the
         # H200 for NVFP4 (19.6 / 77.8 us against 19.6 / 133.0 at the bf16 tiles; tune_moe.py --quantize)
+        # ungated quantized (one weight tile a K step, fewer registers): 8 x 256 (4 warps) for a token's pairs,
+        # 32 x 256 (4 warps) for a verify's: 28.5 / 185.2 us against 36.3 / 243.8 at the gated tiles for
+        # Nemotron-3-Super's 22 experts of [2688, 1024] (tune_moe.py --quantize nvfp4 --top-k 22)
         big = P + Ts >= 32
-        tile, warps = ((16, 128) if big else (8, 256), 8) if g.format == FLOAT else ((16, 128), 4) if big else ((16, 256), 8)
+        if g.format == FLOAT:
+            tile, warps = (16, 128) if big else (8, 256), 8
+        elif act != SWIGLU:
+            tile, warps = (32, 256) if big else (8, 256), 4
+        else:
+            tile, warps = ((16, 128), 4) if big else ((16, 256), 8)
         cfg = {"BLOCK_N": launch_tile(tile[0], max(N, Ns)), "BLOCK_K": _block_k(g, tile[1], K), "num_warps": warps,
                **launch}
         we, wn, ce, cn = g.strides()
@@ -334,7 +359,7 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
             x.contiguous(), g.weight, u.weight, g.scale, u.scale, g.rows, u.rows, idx.contiguous(),
             sg.weight, su.weight, sg.scale, su.scale, sg.rows, su.rows, buf, P, N, Ns, K,
             we, wn, ce, cn, g.rows_stride(), sg.weight.stride(-2), sg.scale.stride(-2), TOP_K=top_k, FORMAT=g.format,
-            GATED=gated, **cfg, **e2m1_cvt(x.device), **pdl(x.device))
+            ACT=act, **cfg, **e2m1_cvt(x.device), **pdl(x.device))
     return buf[:P * N].view(P, N), None if shared is None else buf[P * N:].view(T, Ns)
 
 
@@ -344,7 +369,9 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
     (h_s [T, Ks], down_s [N, Ks], logit [T]), ``sigmoid(logit[t]) * down_s @ h_s[t]`` (the shared
     expert's down projection and gate, no separate GEMM). h [T * top_k, K]; down [E, N, K] in h's
     dtype or quantized (down_s in the same format); idx, top_w [T, top_k]. Returns [T, N] in h's
-    dtype. ``launch`` as for ``swiglu_gemv``."""
+    dtype. ``launch`` as for ``swiglu_gemv``. Past ``MAX_FUSED_TOP_K`` experts a token and without a
+    shared expert: each pair's row by ``expert_gemv`` (``launch`` its tile), then ``combine_sorted``;
+    the same rounding (each expert's row to h's dtype, the weighted sum in fp32)."""
     P, K = h.shape
     if top_k < 1 or P % top_k:
         raise ValueError(f"down_combine: h {tuple(h.shape)} must be [T * top_k, K] for top_k={top_k}")
@@ -361,6 +388,9 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
         if hs.shape[0] != T or ds.shape != (N, hs.shape[1]) or sl.numel() != T or ds.format != d.format:
             raise ValueError(f"down_combine: shared h {tuple(hs.shape)}, down {tuple(ds.shape)}, logit {tuple(sl.shape)} "
                              f"must be [{T}, Ks], [{N}, Ks] (unit stride on Ks, the routed format) and [{T}]")
+    if shared is None and top_k > MAX_FUSED_TOP_K:
+        y = expert_gemv("down_combine", h, down, idx.reshape(-1), **launch)
+        return combine_sorted(y, torch.arange(P, device=h.device), top_w)
     out = torch.empty(T, N, device=h.device, dtype=h.dtype)
     if T:
         # the [top_k, BLOCK_N, BLOCK_K] weight tile is held in registers: 8 x 8 x 128 at 8 warps is 32
@@ -369,7 +399,7 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
         # quantized: 4 x 256 (8 warps at 1 token, 4 at 7): 12.7 / 63.3 us against 28.7 / 179.4 at
         # the bf16 tiles for NVFP4 (tune_moe.py --quantize)
         tile, warps = ((8, 128), 8) if d.format == FLOAT else ((4, 256), 8 if T == 1 else 4)
-        # more experts a token (Nemotron-H's 22): as many fewer rows a tile, the same registers
+        # more experts a token (with a shared expert): as many fewer rows a tile, the same registers
         rows = max(2, tile[0] * 8 // triton.next_power_of_2(top_k))
         cfg = {"BLOCK_N": launch_tile(rows, N), "BLOCK_K": _block_k(d, tile[1], K), "num_warps": warps, **launch}
         hs, sl = (out, out) if shared is None else (shared[0].contiguous(), shared[2].float().contiguous())
