@@ -7,7 +7,8 @@ Per prompt: one prefill (``wmtp.bench.acceptance.take_snapshot``), then each con
 ``--gen`` tokens (ignore_eos) from the fork, timed from the fork's first token to the last: TPOT,
 AL, the depths ``auto`` chose. The configs run in ``--rounds`` rounds, each in a rotated order (a
 loaded host drifts; every config sees the same drift on average); TPOT is the median over rounds.
-Every output must equal dense's (lossless). Writes ``benchmarks/results/acceptance/depth.json``
+``--interleave`` forks the configs together and steps them in turn, each iteration timed alone, so
+a noisy host's drift falls on all of them alike. Every output must equal dense's (lossless). Writes ``benchmarks/results/acceptance/depth.json``
 and the run-length traces of the d = 8 runs (``depth_traces.json``, γ = 7) that
 ``wmtp bench depth-replay`` replays on the GPU. The summary gives auto's TPOT over the best fixed
 depth's both as a ratio of medians and as the median of the per-round ratios.
@@ -41,21 +42,47 @@ def configs() -> dict[str, SpecConfig]:
     return specs
 
 
-@torch.no_grad()
-def decode(model, snap, spec: SpecConfig, gen: int, warm: dict | None = None) -> dict:
-    """One fork decoding ``gen`` tokens. ``warm`` (auto only) carries the depth controller and the
-    pooled acceptance counts from run to run, as one serving engine keeps them across requests."""
+def open_fork(model, snap, spec: SpecConfig, gen: int, warm: dict | None = None):
+    """An engine forked from ``snap`` to decode ``gen`` tokens. ``warm`` (auto only) carries the depth
+    controller and the pooled acceptance counts from run to run, as one serving engine keeps them
+    across requests."""
     eng, req = fork(model, snap, spec, SamplingParams(max_tokens=gen, ignore_eos=True))
     if warm is not None:
         eng.depth = warm.setdefault("depth", eng.depth)
         eng.metrics.positions = warm.setdefault("positions", eng.metrics.positions)
-    t0 = time.perf_counter()
-    while eng.has_unfinished():
-        eng.step()
-    seconds = time.perf_counter() - t0
+    return eng, req
+
+
+def result(eng, req, snap, seconds: float) -> dict:
     m = req.metrics
     return {"tokens": req.tokens[len(snap.prompt):], "seconds": seconds, "tpot_s": seconds / (m.num_generated - 1),
             "hist": list(m.hist), "gammas": list(m.gammas), "runs": [it.accepted for it in eng.trace.get(req.id, [])]}
+
+
+@torch.no_grad()
+def decode(model, snap, spec: SpecConfig, gen: int, warm: dict | None = None) -> dict:
+    """One fork decoding ``gen`` tokens, timed from the fork's first token to the last."""
+    eng, req = open_fork(model, snap, spec, gen, warm)
+    t0 = time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+    return result(eng, req, snap, time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def decode_interleaved(model, snap, specs: dict[str, SpecConfig], gen: int, warm: dict) -> dict[str, dict]:
+    """Every config forked at once and stepped in turn, one iteration each, each step timed alone:
+    the host's drift (seconds to minutes on a shared machine) falls on every config alike, so the
+    ratios of their TPOTs are paired within the same stretch of time."""
+    forks = {n: open_fork(model, snap, s, gen, warm if n == "auto" else None) for n, s in specs.items()}
+    seconds = dict.fromkeys(forks, 0.0)
+    while any(eng.has_unfinished() for eng, _ in forks.values()):
+        for n, (eng, _) in forks.items():
+            if eng.has_unfinished():
+                t0 = time.perf_counter()
+                eng.step()
+                seconds[n] += time.perf_counter() - t0
+    return {n: result(eng, req, snap, seconds[n]) for n, (eng, req) in forks.items()}
 
 
 def main() -> None:
@@ -70,6 +97,8 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=1024)
     ap.add_argument("--out", default="benchmarks/results/acceptance/depth.json")
     ap.add_argument("--traces-out", default="benchmarks/results/acceptance/depth_traces.json")
+    ap.add_argument("--interleave", action="store_true",
+                    help="fork every config at once and step them in turn (decode_interleaved) instead of one after another")
     ap.add_argument("--configs", default=",".join(configs()),
                     help=f"which of {','.join(configs())} to run (traces need d{TRACE_D})")
     a = ap.parse_args()
@@ -90,7 +119,12 @@ def main() -> None:
             decode(model, snap, specs["auto"], a.gen, warm)
         runs: dict[str, list[dict]] = {n: [] for n in names}
         for r in range(a.rounds):
-            for n in names[r % len(names):] + names[: r % len(names)]:
+            order = names[r % len(names):] + names[: r % len(names)]
+            if a.interleave:
+                for n, x in decode_interleaved(model, snap, {n: specs[n] for n in order}, a.gen, warm).items():
+                    runs[n].append(x)
+                continue
+            for n in order:
                 runs[n].append(decode(model, snap, specs[n], a.gen, warm if n == "auto" else None))
         for n in names:
             first = runs[n][0]
@@ -115,7 +149,8 @@ def write(rows: list[dict], traces: dict[str, list[int]], a: argparse.Namespace)
     for task in dict.fromkeys(r["trace"] for r in rows):
         mine = {r["config"]: r for r in rows if r["trace"] == task}
         best = min((n for n in names if n != "auto"), key=lambda n: mine[n]["tpot_s"])
-        # paired within each round (the two ran minutes apart, not a round apart): the host's drift cancels
+        # paired within each round (the two ran minutes apart, or step by step with --interleave, not a round
+        # apart): the host's drift cancels
         paired = statistics.median(x / y for x, y in zip(mine["auto"]["tpot_rounds_s"], mine[best]["tpot_rounds_s"]))
         summary.append({"trace": task, "best_fixed": best, "auto_over_best": mine["auto"]["tpot_s"] / mine[best]["tpot_s"],
                         "auto_over_best_paired": paired})
@@ -125,7 +160,8 @@ def write(rows: list[dict], traces: dict[str, list[int]], a: argparse.Namespace)
     what = (f"SmolLM2-135M + its MTP head, windowed W=512 sink=16, greedy, real acceptance: TPOT of auto (d_max "
             f"{max(FIXED)}; its controller and pooled acceptance carried from prompt to prompt after one untimed "
             f"calibration run, as in a serving engine) and of {', '.join(n for n in names if n != 'auto')}, median "
-            f"over {a.rounds} rounds in rotated order")
+            f"over {a.rounds} rounds in rotated order"
+            + (", the configs forked together and stepped in turn, each step timed alone" if a.interleave else ""))
     meta = {"hardware": hardware_name("cpu"), "model": "smollm2-135m + MTP head", "dtype": "float32",
             "synthetic": False, "runs": 1, "command": "PYTHONPATH=. python scripts/depth_sweep.py " + " ".join(sys.argv[1:]),
             "date": datetime.date.today().isoformat(), "commit": revision(), "what": what,

@@ -118,8 +118,8 @@ if triton is not None:
         scales R* (leading expert strides *_e); the shared expert's S*, SC*, SR*. ACT ``SWIGLU``:
         ``silu(gate x) * (up x)``; ``RELU2``: ``relu(up x)^2``; ``LINEAR``: ``up x`` (the gate
         arguments unread but by SwiGLU)."""
-        GATED: tl.constexpr = ACT == 0
         wait_prior(PDL)
+        GATED: tl.constexpr = ACT == 0
         p = tl.program_id(0)
         nb = tl.program_id(1)
         # rows p < P: routed pair p (expert idx[p], token p // TOP_K) into OUT[:P*N] as [P, N]; rows
