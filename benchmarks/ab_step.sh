@@ -35,7 +35,7 @@ run)
   done
   for ((r = 1; r <= rounds; r++)); do
     for rev in "${revs[@]}"; do
-      (cd "/tmp/ab/$rev" && PYTHONPATH="/tmp/ab/$rev:$site" PYTHONUNBUFFERED=1 python3 -m wmtp bench step \
+      (cd "/tmp/ab/$rev" && WMTP_COMMIT=$rev PYTHONPATH="/tmp/ab/$rev:$site" PYTHONUNBUFFERED=1 python3 -m wmtp bench step \
          --preset "${PRESET:-qwen3.6-35b-a3b}" --context "${CONTEXT:-1040000}" -d "${D:-7}" --iters "${ITERS:-60}" \
          --modes "$modes" --out "$out/ab_${rev}_$r.json" | grep "t_iter " || true)
       [[ -f "$out/ab_${rev}_$r.json" ]] || echo "ab_step.sh: $rev round $r failed (no JSON)" | tee -a "$out/ab_summary.txt" >&2
