@@ -389,3 +389,38 @@ def test_engine_wide_metrics_add_up():
     assert s["proposed_draft_tokens"] == 3 * sum(want)
     assert s["accepted_draft_tokens"] == sum(o.metrics["accepted_draft_tokens"] for o in outs)
     assert s["iterations"] >= max(o.metrics["iterations"] for o in outs) and s["memory_use"]["pages"] == 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
+def test_engines_over_one_model_step_in_turn(preset):
+    """Engines over one model's weights (each binds its own pools to the layers) stepped in turn
+    emit what each emits alone: a step re-attaches its own engine's pools first."""
+    import wmtp
+    from wmtp.engine.config import EngineConfig
+
+    model = wmtp.load_model(preset, dtype="float32")
+    prompts = _prompts(2, seed=5)
+    specs = [SpecConfig(mode="dense", num_draft_tokens=1),
+             SpecConfig(mode="windowed", num_draft_tokens=3, window=W, sink=SINK)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def engine(spec: SpecConfig) -> tuple[Engine, list[int]]:
+        eng = Engine(model, spec, EngineConfig(max_model_len=256, max_num_seqs=2, page_size=8, prefill_chunk=37))
+        return eng, [eng.add_request(p, params) for p in prompts]
+
+    def tokens(eng: Engine, ids: list[int]) -> list[list[int]]:
+        return [eng.requests[i].tokens for i in ids]
+
+    alone = []
+    for spec in specs:
+        eng, ids = engine(spec)
+        while eng.has_unfinished():
+            eng.step()
+        alone.append(tokens(eng, ids))
+    assert alone[0] == alone[1]  # lossless: the windowed engine emits dense's tokens
+    pairs = [engine(spec) for spec in specs]  # the second bound its pools last
+    while any(eng.has_unfinished() for eng, _ in pairs):
+        for eng, _ in pairs:
+            if eng.has_unfinished():
+                eng.step()
+    assert [tokens(eng, ids) for eng, ids in pairs] == alone

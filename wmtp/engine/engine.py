@@ -179,6 +179,8 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Admit what fits, run one prefill chunk per prefilling request, one iteration for all
         decoding requests; return what each request emitted."""
+        if self.model.bound_pools is not self.memory:  # another engine over these weights bound its pools
+            self.memory.attach(self.model)
         self._emitted = []
         self._admit_waiting()
         prefilling = [r for r in self.running if r.status == Status.PREFILL]

@@ -36,6 +36,9 @@ from wmtp.models.base import recurrent_state
 from wmtp.quant import bytewise, kv_cache_dtype
 
 
+# the attributes ``bind`` sets on the model and its layers (views into the pools)
+_POOL_VIEWS = ("k_cache", "v_cache", "conv_state", "ssm_state", "verify_record", "state_pools")
+
 class CapacityError(WmtpError):
     """A request that can never fit in the engine's pools (names the limit)."""
 
@@ -261,6 +264,15 @@ class MemoryManager:
             self.state_pools = model.state_pools = StatePools(conv, ssm, rec, win)
         if self.sizes.num_snapshots:
             self.snapshots = self._snapshot_tensors(device)
+        self._views = [(m, {a: getattr(m, a) for a in _POOL_VIEWS if a in m.__dict__}) for m in model.modules()]
+        model.bound_pools = self
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Point the model's layers at this manager's pools again: another engine over the same
+        weights (``bind`` of its own manager) moved them to its pools since."""
+        for m, views in self._views:
+            m.__dict__.update(views)
+        model.bound_pools = self
 
     def _snapshot_tensors(self, device: torch.device | str) -> Snapshots:
         n, pools, dkv = self.sizes.num_snapshots, self.state_pools, self.draft_kv
