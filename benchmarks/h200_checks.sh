@@ -80,6 +80,9 @@ if [[ $parts == *rows* ]]; then
   run "tune attention rows 32 heads" python3 benchmarks/tune_attention.py --q-lens 7 --heads 32 --rows 64,128 \
     --block-n 32,64 --warps 4,8 --stages 2,3 --out "$WORK/tune_attention_rows_32h.json"
 fi
+# the prefill attention kernel against SDPA's backends at the same head shape, side by side (prefill)
+[[ $parts == *prefill* ]] && run "prefill attention" python3 benchmarks/prefill_attention.py --contexts 131072,1040000 \
+  --chunk 16384 --out "$WORK/prefill_attention.json"
 [[ $parts == *replay* ]] && run "depth replay" python3 -m wmtp bench depth-replay \
   --traces benchmarks/results/acceptance/depth_traces.json --context 1040000 --depths auto,2,7,3,4,5,6,8 \
   --out "$WORK/depth_replay_1m_qwen3.6-35b-a3b.json"

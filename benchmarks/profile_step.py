@@ -92,7 +92,8 @@ def write_timeline(prof, path: str, what: str) -> None:
 
 def kernel_summary(prof, iters: int) -> dict:
     """Kernels per iteration: count, summed duration, busy time (union of intervals) and span (ms),
-    plus the kernels grouped by name, largest total first."""
+    plus the kernels grouped by name with their exclusive time (past every earlier kernel's end) and
+    their summed spans, largest exclusive time first."""
     kernels = _kernels(prof)
     if not kernels:
         return {"line": "no kernels recorded", "table": ""}
@@ -107,13 +108,21 @@ def kernel_summary(prof, iters: int) -> dict:
     busy += cur_hi - cur_lo
     span = kernels[-1].time_range.end - kernels[0].time_range.start
     total = sum(e.time_range.elapsed_us() for e in kernels)
+    # a kernel launched with PDL starts before its predecessor ends and waits for it: its span overlaps the
+    # previous kernel's, so each kernel is also charged only the time past everything launched before it
+    # (the exclusive column sums to the busy time)
     groups: dict[str, list[float]] = {}
+    seen_end = kernels[0].time_range.start
     for e in kernels:
-        g = groups.setdefault(e.name[:90], [0, 0.0])
+        g = groups.setdefault(e.name[:90], [0, 0.0, 0.0])
         g[0] += 1
         g[1] += e.time_range.elapsed_us()
-    rows = sorted(groups.items(), key=lambda kv: -kv[1][1])
-    table = "\n".join(f"{t / iters / 1e3:9.3f} ms {c / iters:7.1f}x {t / c:8.2f} us  {n}" for n, (c, t) in rows[:40])
+        g[2] += max(0.0, e.time_range.end - max(e.time_range.start, seen_end))
+        seen_end = max(seen_end, e.time_range.end)
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][2])
+    table = ("     excl         span   calls   span/call\n"
+             + "\n".join(f"{x / iters / 1e3:9.3f} ms {t / iters / 1e3:9.3f} ms {c / iters:7.1f}x {t / c:8.2f} us  {n}"
+                         for n, (c, t, x) in rows[:40]))
     line = (f"{len(kernels) / iters:.0f} kernels/iter, kernel sum {total / iters / 1e3:.2f} ms, busy {busy / iters / 1e3:.2f} ms,"
             f" span {span / iters / 1e3:.2f} ms per iteration; idle > 5 us: {len(long_gaps) / iters:.1f}x,"
             f" {sum(long_gaps) / iters / 1e3:.3f} ms per iteration")
