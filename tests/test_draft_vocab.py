@@ -29,8 +29,8 @@ def _run(model, spec: SpecConfig, prompts, batch: int, max_tokens: int = 12, **k
 @pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
 def test_pruned_drafts_keep_greedy_output(preset, monkeypatch):
     """Every draft is a token of V′ (the head's argmax over V′), the output equals dense though
-    most of the dense output's tokens lie outside V′, in native / windowed (ring on, off), batch
-    1 and 4."""
+    most of the dense output's tokens lie outside V′, in native / windowed (ring on, off, and the
+    window only past a context), batch 1 and 4."""
     model = tiny_model(preset)
     prompts = [[(5 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((4, 19, 33, 9))]
     dense = _run(model, SpecConfig(mode="dense", num_draft_tokens=1), prompts, 4)
@@ -45,10 +45,13 @@ def test_pruned_drafts_keep_greedy_output(preset, monkeypatch):
         return tok, q
 
     monkeypatch.setattr(Engine, "_sample_draft", spy)
-    for mode, ring in (("native", True), ("windowed", True), ("windowed", False)):
+    configs = [("native", True, {}), ("windowed", True, {}), ("windowed", False, {}),
+               ("windowed", False, {"window_min_context": 20})]  # the window only past 20 tokens
+    for mode, ring, extra in configs:
         for batch in (1, 4):
-            spec = SpecConfig(mode=mode, num_draft_tokens=4, window=8, sink=2, ring=ring, draft_vocab=tuple(V_PRIME))
-            assert _run(model, spec, prompts, batch) == dense, f"{preset} {mode} ring={ring} batch {batch}"
+            spec = SpecConfig(mode=mode, num_draft_tokens=4, window=8, sink=2, ring=ring, draft_vocab=tuple(V_PRIME),
+                              **extra)
+            assert _run(model, spec, prompts, batch) == dense, f"{preset} {mode} ring={ring} {extra} batch {batch}"
     assert drafted and set(drafted) <= set(V_PRIME)
 
 
