@@ -51,8 +51,9 @@ QUANT_GEMV_TOKENS = 64
 SWIGLU, RELU2, LINEAR = 0, 1, 2
 # down_combine holds a token's experts as one [TOP_K_P, BLOCK_N, BLOCK_K] register tile; past this many
 # experts a token the tile leaves BLOCK_N too few rows for the grid to fill the GPU (Nemotron-3-Super's
-# 22: 172 us a token at the best fused tile against the pair-wise GEMV's; benchmarks/tune_moe.py), so
-# the experts' rows run pair by pair and a second launch combines them
+# 22 NVFP4 experts: 172 us a token at the default tile, 86 at the best, 0.2-0.4 TB/s; tune_moe.py), so
+# the experts' rows run pair by pair and a second launch combines them (its windowed step at 1.04M
+# 66.5 -> 26.2 ms on the H200, benchmarks/ab_step.sh)
 MAX_FUSED_TOP_K = 8
 
 
