@@ -39,6 +39,7 @@ from wmtp.quant import bytewise, kv_cache_dtype
 # the attributes ``bind`` sets on the model and its layers (views into the pools)
 _POOL_VIEWS = ("k_cache", "v_cache", "conv_state", "ssm_state", "verify_record", "state_pools")
 
+
 class CapacityError(WmtpError):
     """A request that can never fit in the engine's pools (names the limit)."""
 
