@@ -139,6 +139,9 @@ def main() -> None:
         def relu2(layer: int, **c) -> torch.Tensor:
             return relu2_gemv(x, rows(weights[layer][0], 0, I), idx, k, **c)
 
+        def pairs(layer: int, **c) -> torch.Tensor:
+            return down_combine(hs[layer][0], weights[layer][1], i, w, k, **c)
+
         distinct = int(torch.unique(i).numel())
         if "swiglu_routed_shared" in cases:
             out.append(sweep("swiglu_routed_shared", swiglu, a.layers, 2 * (distinct * nbytes(I, H) + nbytes(Is, H)), T,
@@ -146,9 +149,6 @@ def main() -> None:
         if "down_combine_shared" in cases:
             out.append(sweep("down_combine_shared", combine, a.layers, distinct * nbytes(H, I) + nbytes(H, Is), T,
                              grids["down_combine_shared"]))
-        def pairs(layer: int, **c) -> torch.Tensor:
-            return down_combine(hs[layer][0], weights[layer][1], i, w, k, **c)
-
         if "down_pairs" in cases:
             out.append(sweep("down_pairs", pairs, a.layers, distinct * nbytes(H, I), T, grids["down_pairs"]))
         if "relu2_up" in cases:

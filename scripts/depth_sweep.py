@@ -8,8 +8,8 @@ Per prompt: one prefill (``wmtp.bench.acceptance.take_snapshot``), then each con
 AL, the depths ``auto`` chose. The configs run in ``--rounds`` rounds, each in a rotated order (a
 loaded host drifts; every config sees the same drift on average); TPOT is the median over rounds.
 ``--interleave`` forks the configs together and steps them in turn, each iteration timed alone, so
-a noisy host's drift falls on all of them alike. Every output must equal dense's (lossless). Writes ``benchmarks/results/acceptance/depth.json``
-and the run-length traces of the d = 8 runs (``depth_traces.json``, γ = 7) that
+a noisy host's drift falls on all of them alike. Every output must equal dense's (lossless). Writes
+``benchmarks/results/acceptance/depth.json`` and the run-length traces of the d = 8 runs (``depth_traces.json``, γ = 7) that
 ``wmtp bench depth-replay`` replays on the GPU. The summary gives auto's TPOT over the best fixed
 depth's both as a ratio of medians and as the median of the per-round ratios.
 """

@@ -162,16 +162,20 @@ if triton is not None:
         tl.store(out + rows, h.to(dt), mask=row_ok)
 
     @triton.jit
-    def _combine_sorted_kernel(Y, POS, TW, OUT, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-        """Token t's output columns: its top-k expert rows, found in the expert-sorted Y at POS,
-        weighted by TW and summed in fp32 (k in order)."""
+    def _combine_sorted_kernel(Y, POS, TW, OUT, N, TOP_K: tl.constexpr, SORTED: tl.constexpr, BLOCK_N: tl.constexpr,
+                               PDL: tl.constexpr):
+        """Token t's output columns: its top-k expert rows, found in the expert-sorted Y at POS (in
+        pair order without SORTED), weighted by TW and summed in fp32 (k in order)."""
         wait_prior(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = cols < N
         acc = tl.zeros([BLOCK_N], tl.float32)
         for j in tl.static_range(TOP_K):
-            row = tl.load(POS + t * TOP_K + j).to(tl.int64)
+            if SORTED:
+                row = tl.load(POS + t * TOP_K + j).to(tl.int64)
+            else:
+                row = t * TOP_K + j
             acc += tl.load(TW + t * TOP_K + j) * tl.load(Y + row * N + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(OUT + t * N + cols, acc.to(OUT.dtype.element_ty), mask=ok)
 
@@ -391,7 +395,7 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
                              f"must be [{T}, Ks], [{N}, Ks] (unit stride on Ks, the routed format) and [{T}]")
     if shared is None and top_k > MAX_FUSED_TOP_K:
         y = expert_gemv("down_combine", h, down, idx.reshape(-1), **launch)
-        return combine_sorted(y, torch.arange(P, device=h.device), top_w)
+        return combine_sorted(y, None, top_w.reshape(T, top_k))
     out = torch.empty(T, N, device=h.device, dtype=h.dtype)
     if T:
         # the [top_k, BLOCK_N, BLOCK_K] weight tile is held in registers: 8 x 8 x 128 at 8 warps is 32
@@ -457,21 +461,24 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (8, 0))
 
 
-def combine_sorted(y_sorted: torch.Tensor, pos: torch.Tensor, top_w: torch.Tensor, block_n: int = 256) -> torch.Tensor:
+def combine_sorted(y_sorted: torch.Tensor, pos: torch.Tensor | None, top_w: torch.Tensor,
+                   block_n: int = 256) -> torch.Tensor:
     """``sum_k top_w[t, k] * y[t * top_k + k]`` (fp32, rounded once to y's dtype) where pair p's row
     ``y[p]`` is ``y_sorted[pos[p]]``: the grouped GEMM's expert-sorted output combined in one read,
-    without scattering it back to pair order or widening it to fp32 first. y_sorted [P, N]; pos [P];
-    top_w [T, top_k] fp32, P = T * top_k. Returns [T, N]."""
+    without scattering it back to pair order or widening it to fp32 first. y_sorted [P, N]; pos [P],
+    or None for rows already in pair order; top_w [T, top_k] fp32, P = T * top_k. Returns [T, N]."""
     T, top_k = top_w.shape
     P, N = y_sorted.shape
-    if P != T * top_k or pos.shape != (P,):
-        raise ValueError(f"combine_sorted: y_sorted {tuple(y_sorted.shape)} and pos {tuple(pos.shape)} must hold "
+    if P != T * top_k or (pos is not None and pos.shape != (P,)):
+        raise ValueError(f"combine_sorted: y_sorted {tuple(y_sorted.shape)} and pos "
+                         f"{None if pos is None else tuple(pos.shape)} must hold "
                          f"the {T} x {top_k} pairs of top_w {tuple(top_w.shape)}")
     out = torch.empty(T, N, device=y_sorted.device, dtype=y_sorted.dtype)
     if T:
-        _combine_sorted_kernel[(T, triton.cdiv(N, block_n))](y_sorted.contiguous(), pos.contiguous(),
+        y = y_sorted.contiguous()
+        _combine_sorted_kernel[(T, triton.cdiv(N, block_n))](y, y if pos is None else pos.contiguous(),
                                                            top_w.float().contiguous(), out, N, TOP_K=top_k,
-                                                           BLOCK_N=block_n, **pdl(out.device))
+                                                           SORTED=pos is not None, BLOCK_N=block_n, **pdl(out.device))
     return out
 
 
