@@ -22,10 +22,14 @@ from wmtp.cli import main
 from wmtp.engine.distributed import Ranks, RankFailure
 from wmtp.engine.memory import CapacityError
 from wmtp.errors import ConfigError, WmtpError
-from wmtp.models.loader import save_checkpoint
+from wmtp.models.loader import init_random_, save_checkpoint
+from wmtp.models.parallel import Split, quant_split
+from wmtp.quant import NVFP4, FP8Block, FP8Tensor
 
-# (preset, config overrides, expert layout): every family and checkpoint layout; the second llama has
-# one KV head (replicated over the ranks) and attention biases (o_proj's is added once)
+# (preset, tiny_model's arguments, expert layout): every family, checkpoint layout and weight format;
+# the second llama has one KV head (replicated over the ranks) and attention biases (o_proj's is
+# added once); the quantized ones cut whole NVFP4 blocks, FP8 blocks shared by both ranks and
+# Nemotron's per-tensor FP8 beside NVFP4 experts
 MODELS = {
     "llama": ("tiny-llama", {}, "per_expert"),
     "llama-kv1-bias": ("tiny-llama", {"num_key_value_heads": 1, "attention_bias": True}, "per_expert"),
@@ -33,6 +37,9 @@ MODELS = {
     "qwen3-next": ("tiny-qwen3-next", {}, "per_expert"),
     "qwen3.5-moe": ("tiny-qwen3.5-moe", {}, "packed"),
     "nemotron-h": ("tiny-nemotron-h", {}, "per_expert"),
+    "qwen3.5-moe-nvfp4": ("tiny-qwen3.5-moe-nvfp4", {}, "per_expert"),
+    "qwen3-next-fp8": ("tiny-qwen3-next", {"quantize": "fp8"}, "per_expert"),
+    "nemotron-h-nvfp4": ("tiny-nemotron-h-nvfp4", {}, "per_expert"),
 }
 PROMPTS = [[5, 9, 17, 3, 22, 41, 7, 11], [100, 200, 300, 400, 12]]
 SPECS = {"dense": SpecConfig(mode="dense", num_draft_tokens=1), "native": SpecConfig(mode="native", num_draft_tokens=3),
@@ -41,13 +48,18 @@ SPECS = {"dense": SpecConfig(mode="dense", num_draft_tokens=1), "native": SpecCo
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A scrambled (strongly peaked logits: no near ties for a sum order to flip) tiny checkpoint per model."""
+    """A tiny checkpoint per model with strongly peaked logits (no near ties for a sum order to flip):
+    scrambled, or, quantized, drawn with a large deviation and quantized to nearest."""
     made: dict[str, str] = {}
 
     def get(key: str) -> str:
         if key not in made:
             preset, overrides, layout = MODELS[key]
-            model = scramble_(tiny_model(preset, **overrides), seed=1)
+            model = tiny_model(preset, **overrides)
+            if model.quant is None:
+                scramble_(model, seed=1)
+            else:
+                init_random_(model, seed=1, std=0.25)
             made[key] = str(save_checkpoint(model, tmp_path_factory.mktemp(key), expert_layout=layout))
         return made[key]
 
@@ -76,7 +88,8 @@ def test_two_ranks_give_the_single_process_logits(key, checkpoint, ranks):
             _close(got, want)
 
 
-@pytest.mark.parametrize("key", ["llama-kv1-bias", "qwen3-next", "qwen3.5-moe", "nemotron-h"])
+@pytest.mark.parametrize("key", ["llama-kv1-bias", "qwen3-next", "qwen3.5-moe", "nemotron-h", "qwen3.5-moe-nvfp4",
+                                 "qwen3-next-fp8", "nemotron-h-nvfp4"])
 def test_two_ranks_give_the_single_process_tokens(key, checkpoint, ranks):
     source = checkpoint(key)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -167,17 +180,46 @@ def test_a_killed_rank_ends_the_run_with_an_error_within_seconds(checkpoint, ran
     assert Ranks.shared(2, "cpu") is not ranks  # the next user gets fresh ranks
 
 
-def test_sizes_and_devices_that_cannot_hold_the_model_are_refused_before_spawning():
+def test_sizes_and_devices_that_cannot_hold_the_model_are_refused_before_spawning(tmp_path):
     before = Ranks._live
     for preset, size, field in (("tiny-llama", 3, "num_attention_heads"), ("tiny-qwen3.5-moe", 4, "linear_num_key_heads"),
                                 ("tiny-nemotron-h", 4, "n_groups"), ("tiny-llama", 0, "tensor_parallel_size")):
         with pytest.raises(ConfigError, match=field):
             LLM(preset, tensor_parallel_size=size)
-    with pytest.raises(ConfigError, match="quantized"):
-        LLM("tiny-qwen3.5-moe-nvfp4", tensor_parallel_size=2)
+    # shards of the inputs that would cut a scale block: 24 inputs per rank of NVFP4's 16-blocks, 192 of FP8's 128
+    for name, preset, fmt, field, weight in (("nvfp4", "tiny-qwen3.5-moe", "nvfp4", "moe_intermediate_size", "experts.down_proj"),
+                                             ("fp8", "tiny-llama", "fp8", "intermediate_size", "mlp.down_proj")):
+        ckpt = save_checkpoint(tiny_model(preset, quantize=fmt, **{field: 48 if fmt == "nvfp4" else 384}), tmp_path / name)
+        with pytest.raises(ConfigError, match=rf"{weight} is a {fmt} weight of \d+ inputs, (24|192) per rank"):
+            LLM(str(ckpt), tensor_parallel_size=2)
     if torch.cuda.device_count() < 2:
         with pytest.raises(WmtpError, match="visible CUDA devices"):
             LLM("tiny-llama", device="cuda", tensor_parallel_size=2)
     with pytest.raises(WmtpError, match="not a built model"):
         LLM(tiny_model("tiny-llama"), tensor_parallel_size=2)
     assert Ranks._live is before
+
+
+@pytest.mark.parametrize("fmt,k,size", [(NVFP4(), 64, 2), (NVFP4(), 128, 4), (FP8Block((32, 32)), 128, 2),
+                                        (FP8Block((64, 64)), 128, 4), (FP8Block(), 96, 2), (FP8Tensor(), 320, 4)])
+def test_a_quantized_shard_dequantizes_to_the_whole_weights_slice(fmt, k, size):
+    """Every rank's cut of a quantized weight's model tensors (``quant_split``: whole blocks, a block
+    shared by ranks, one scale per tensor) dequantizes to its rows / columns of the whole weight."""
+    n = 12
+    whole = fmt.to_model(fmt.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(k))), n)
+    ref = fmt.dequantize_rows(whole, torch.float32)
+    for logical, dim in ((Split(1, ((k // size, size),)), 1), (Split(0, ((n // size, size),)), 0)):
+        for r in range(size):
+            cut = {}
+            for s, t in whole.items():
+                split = quant_split(fmt, s, logical, 2, "w", size)
+                cut[s] = t if split is None else split.take(t, r, size)
+            want = ref.narrow(dim, r * ref.shape[dim] // size, ref.shape[dim] // size)
+            assert torch.equal(fmt.dequantize_rows(cut, torch.float32), want), (fmt.name, dim, r)
+    scale = next(s for s in fmt.column_inputs if s != "weight")
+    odd = Split(1, ((fmt.column_inputs[scale] * 3 // 2, 2),))  # one and a half blocks per rank
+    if scale in fmt.uniform_columns:
+        assert quant_split(fmt, scale, odd, 2, "w", 2) is not None
+    else:
+        with pytest.raises(ConfigError, match="would cut its blocks"):
+            quant_split(fmt, scale, odd, 2, "w", 2)

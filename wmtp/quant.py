@@ -118,6 +118,11 @@ class QuantFormat(ABC):
         """Round-to-nearest quantization of ``w`` [..., N, K] (any float dtype)."""
 
     row_vectors: tuple[str, ...] = ()  # model-layout tensors with one value per row ([.., N])
+    #: inputs per column of every other model-layout tensor ([.., N, cols]: the weight, the scales);
+    #: a tensor-parallel shard of the inputs takes whole columns of each (``wmtp.models.parallel``)
+    column_inputs: dict[str, int]
+    k_multiple: int = 1  # in_features (a shard's too) must be a multiple of this
+    uniform_columns: tuple[str, ...] = ()  # tensors whose columns all hold one value (per-tensor scales)
 
     def dequantize(self, t: Tensors, dtype: torch.dtype) -> torch.Tensor:
         """A checkpoint weight [..., N, K] in ``dtype`` (computed in fp32, one rounding to ``dtype``)."""
@@ -165,6 +170,8 @@ class NVFP4(QuantFormat):
     name = "nvfp4"
     suffixes = ("weight", "weight_scale", "weight_scale_2", "input_scale")
     row_vectors = ("weight_scale_2", "input_scale")
+    column_inputs = {"weight": 2, "weight_scale": 16}
+    k_multiple = 16
 
     def __init__(self, group_size: int = 16) -> None:
         if group_size != 16:
@@ -231,6 +238,7 @@ class FP8Block(QuantFormat):
         if len(block) != 2 or min(block) < 1:
             raise CheckpointError(f"FP8: weight_block_size {list(block)} must be two positive ints")
         self.block = tuple(int(b) for b in block)
+        self.column_inputs = {"weight": 1, "weight_scale_inv": self.block[1]}
 
     def _grid(self, n: int, k: int) -> tuple[int, int]:
         return -(-n // self.block[0]), -(-k // self.block[1])
@@ -289,6 +297,8 @@ class FP8Tensor(QuantFormat):
     suffixes = ("weight", "weight_scale", "input_scale")
     row_vectors = ("input_scale",)
     k_block = 128  # the model layout's scale columns (FP8Block's)
+    column_inputs = {"weight": 1, "weight_scale": k_block}
+    uniform_columns = ("weight_scale",)
 
     def check(self, name: str, t: Tensors, n: int, k: int) -> None:
         self._require(name, t)

@@ -311,17 +311,20 @@ def check_tensor_parallel(model: str, size: int, device: str):
     from pathlib import Path
 
     from wmtp.config import ModelConfig
+    from wmtp.models.loader import build_model
     from wmtp.models.parallel import check_shardable
+    from wmtp.quant import QuantConfig
 
     if Path(model).is_dir():
-        from wmtp.quant import QuantConfig
-
-        cfg, quantized = ModelConfig.from_file(Path(model) / "config.json"), QuantConfig.from_checkpoint(Path(model))
+        cfg, quant = ModelConfig.from_file(Path(model) / "config.json"), QuantConfig.from_checkpoint(Path(model))
     else:
         from wmtp.presets import PRESETS, preset_config
 
-        cfg, quantized = preset_config(model), PRESETS[model].get("quantization_config")
-    check_shardable(cfg, size, quantized is not None)
+        cfg, raw = preset_config(model), PRESETS[model].get("quantization_config")
+        quant = None if raw is None else QuantConfig.from_config_dict(raw, f"preset {model}")
+    check_shardable(cfg, size)
+    if quant is not None and size > 1:  # whether a shard would cut a scale block: the model's own rule, on meta
+        build_model(cfg, "meta", torch.float32, quant=quant, tp=TPGroup(0, size))
     check_devices(size, device)
     return cfg
 

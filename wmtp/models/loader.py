@@ -29,7 +29,7 @@ from wmtp.models.base import TargetLM
 from wmtp.models.layers import Attention, Experts, GatedDeltaNet, Linear, PackedLinear, RMSNorm
 from wmtp.models.model import CausalLM
 from wmtp.models.nemotron_h import Mamba2Mixer, NemotronHCausalLM
-from wmtp.models.parallel import Split, TPGroup, check_shardable, param_splits, shard_, shard_config
+from wmtp.models.parallel import Split, TPGroup, param_splits, shard_, shard_config
 from wmtp.quant import KV_SCALE_NAMES, QuantConfig, QuantFormat, kv_scale_value
 
 log = logging.getLogger("wmtp")
@@ -67,10 +67,10 @@ def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype
                 quant: QuantConfig | None = None, tp: TPGroup | None = None) -> TargetLM:
     """Allocate an uninitialised model directly on ``device`` in ``dtype`` (no CPU staging); with
     ``quant`` its linears and experts hold that format's tensors (those ``quant`` excludes stay in
-    ``dtype``); with ``tp`` only rank ``tp.rank``'s shard (``wmtp.models.parallel``)."""
+    ``dtype``); with ``tp`` only rank ``tp.rank``'s shard (``wmtp.models.parallel``; a shard that
+    would cut a quantized weight's scale blocks is a ``ConfigError`` before any memory is taken)."""
     whole = cfg
     if tp is not None:
-        check_shardable(cfg, tp.size, quantized=quant is not None)
         cfg = shard_config(cfg, tp.size)
     with torch.device("meta"):
         prev = torch.get_default_dtype()
@@ -81,6 +81,7 @@ def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype
                 _quantize_modules(model, quant)
             if tp is not None:
                 shard_(model, tp, whole)
+                param_splits(model)
         finally:
             torch.set_default_dtype(prev)
     model.to_empty(device=device)
@@ -175,17 +176,19 @@ def _quant_params(model: TargetLM) -> set[str]:
 @torch.no_grad()
 def _load_quant(model: TargetLM, groups: list[QuantGroup], names: dict[str, Path]) -> tuple[set[str], list[str]]:
     """Read, check and place every quantized weight; returns the checkpoint names used and those
-    missing."""
+    missing. A tensor-parallel rank reads only its rows / columns of the packed weight (nearly all
+    the bytes); the scales are read whole and cut after ``to_model``."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
+    cuts = _QuantCuts(model)
     used, missing, handles = set(), [], {}
 
-    def tensor(n: str) -> torch.Tensor:
+    def open_(n: str):
         f = names[n]
         if f not in handles:
             handles[f] = safe_open(f, "pt")
-        return handles[f].get_tensor(n)
+        return handles[f]
 
     for g in groups:
         for e in g.each():
@@ -195,13 +198,48 @@ def _load_quant(model: TargetLM, groups: list[QuantGroup], names: dict[str, Path
                 missing += gone
                 continue
             base = want[0].rsplit(".", 1)[0]
-            t = {s: tensor(n) for s, n in zip(g.fmt.suffixes, want)}
-            g.fmt.check(base, t, g.n, g.k)
-            for s, v in g.fmt.to_model(t, g.n).items():
+            t = {s: open_(n).get_tensor(n) for s, n in zip(g.fmt.suffixes, want) if s != "weight"}
+            w_name = want[g.fmt.suffixes.index("weight")]
+            w = open_(w_name).get_slice(w_name)
+            # checked (and laid out) as the whole weight; its bytes are read as this rank's cut below
+            t["weight"] = torch.empty(w.get_shape(), dtype=w[:1].dtype, device="meta")
+            cut = cuts.of(g, e)
+            n, k = cuts.whole(g, e, cut)
+            g.fmt.check(base, t, n, k)
+            t = g.fmt.to_model(t, n)
+            t["weight"] = w[:] if cut["weight"] is None else cut["weight"].take(w, cuts.rank, cuts.size)
+            for s, v in t.items():
+                if s != "weight":
+                    v = cuts.take(cut[s], v)
                 dest = params[f"{g.param}.{s}"]
                 dest[g.index(e)].copy_(v.to(dest.device))
             used.update(want)
     return used, missing
+
+
+class _QuantCuts:
+    """Where a tensor-parallel shard cuts each quantized group's model tensors (``param_splits``):
+    ``of`` (suffix -> Split or None) per group and expert, ``whole`` the whole weight's (n, k)."""
+
+    def __init__(self, model: TargetLM) -> None:
+        self.params = dict(model.named_parameters())
+        self.splits = {} if model.tp is None else param_splits(model)
+        self.rank, self.size = (0, 1) if model.tp is None else (model.tp.rank, model.tp.size)
+
+    def of(self, g: QuantGroup, e: int | None) -> dict[str, Split | None]:
+        index = g.index(e)
+        return {s: (sp.within(index) if (sp := self.splits.get(f"{g.param}.{s}")) is not None else None)
+                for s in g.fmt.suffixes}
+
+    def whole(self, g: QuantGroup, e: int | None, cut: dict[str, Split | None]) -> tuple[int, int]:
+        if cut["weight"] is None:
+            return g.n, g.k
+        local = tuple(self.params[f"{g.param}.weight"][g.index(e)].shape)
+        *_, n, cols = cut["weight"].whole_shape(local)
+        return n, cols * g.fmt.column_inputs["weight"]
+
+    def take(self, split: Split | None, whole: torch.Tensor) -> torch.Tensor:
+        return whole if split is None else split.take(whole, self.rank, self.size)
 
 
 def _quant_state(model: TargetLM) -> dict[str, torch.Tensor]:
@@ -219,15 +257,19 @@ def _quant_state(model: TargetLM) -> dict[str, torch.Tensor]:
 def _init_quant_(model: TargetLM, gen: torch.Generator, std: float, out_std: float) -> None:
     """Random quantized weights: each checkpoint weight drawn as ``init_random_`` draws a float one
     (all experts of a projection at once), then quantized to nearest (its own scales, as a real
-    checkpoint's parts and experts have)."""
+    checkpoint's parts and experts have). A tensor-parallel shard draws and quantizes the whole
+    weight and keeps its cut, so it holds the single-process model's tensors."""
     params = dict(model.named_parameters())
+    cuts = _QuantCuts(model)
     for g in quant_groups(model):
         device = params[f"{g.param}.weight"].device
-        shape = (g.n, g.k) if g.experts is None else (g.experts, g.n, g.k)
+        cut = cuts.of(g, None)
+        n, k = cuts.whole(g, None, cut)
+        shape = (n, k) if g.experts is None else (g.experts, n, k)
         scale = out_std if g.module.endswith(("o_proj", "down_proj", "out_proj")) else std
         w = torch.empty(shape, device=device).normal_(0.0, scale, generator=gen)
-        for s, v in g.fmt.to_model(g.fmt.quantize(w), g.n).items():
-            params[f"{g.param}.{s}"][g.index()].copy_(v)
+        for s, v in g.fmt.to_model(g.fmt.quantize(w), n).items():
+            params[f"{g.param}.{s}"][g.index()].copy_(cuts.take(cut[s], v))
 
 
 @torch.no_grad()

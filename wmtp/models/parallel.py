@@ -28,8 +28,13 @@ loader reads only a rank's rows from the memory-mapped safetensors):
 - embeddings and lm_head by vocabulary rows (the MTP head shares them); replicated: norms, routers,
   the shared-expert gate, the MTP fusion (fc / eh_proj) and Nemotron-H's latent projections.
 Recurrent states, their rollback and the draft ring are per rank (its own heads): no communication.
-A quantized checkpoint under N > 1 is refused (``ConfigError``): its block scales would need the
-same slicing, which is not written yet.
+
+Quantized weights (``wmtp.quant``) are cut as their logical [.., N, K] weight is: a cut of the rows
+takes the same rows of the packed weight, its scales and its per-row vectors; a cut of the inputs
+takes whole columns of the packed weight and of each scale (``QuantFormat.column_inputs``), so a
+rank's shard of K must hold whole scale blocks (or lie inside one block, whose scale its ranks share;
+a per-tensor scale laid out per block fits any shard), and the per-row vectors are replicated. Per-tensor scales stay per tensor of the whole model, so a
+shard dequantizes to exactly the whole weight's slice.
 """
 
 from __future__ import annotations
@@ -73,16 +78,13 @@ class TPGroup:
         return out.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], -1)
 
 
-def check_shardable(cfg: ModelConfig, size: int, quantized: bool = False) -> None:
-    """Raise ``ConfigError`` naming the config.json field N = ``size`` does not divide (or the
-    quantized weights), before any work."""
+def check_shardable(cfg: ModelConfig, size: int) -> None:
+    """Raise ``ConfigError`` naming the config.json field N = ``size`` does not divide, before any
+    work (quantized weights' scale blocks: ``param_splits``)."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ConfigError(f"tensor_parallel_size={size!r} must be an int >= 1")
     if size == 1:
         return
-    if quantized:
-        raise ConfigError(f"tensor_parallel_size={size}: quantized checkpoints (NVFP4 / FP8) are not sharded yet "
-                          "(their block scales would need the same slicing); use a bf16 checkpoint or one GPU")
     shared = "moe_shared_expert_intermediate_size" if cfg.mamba is not None else "shared_expert_intermediate_size"
     fields = [("num_attention_heads", cfg.num_heads), ("vocab_size", cfg.vocab_size),
               ("intermediate_size", cfg.intermediate_size), ("moe_intermediate_size", cfg.moe_intermediate_size),
@@ -175,7 +177,54 @@ def _runs(*pieces: tuple[int, int], dim: int = 0) -> Split:
 
 def param_splits(model: nn.Module) -> dict[str, Split]:
     """The ``Split`` of every sharded parameter of a model built by ``shard_`` (module docstring);
-    parameters not named are replicated."""
+    parameters not named are replicated. ``ConfigError`` names a quantized weight whose shard of
+    the inputs would cut its scale blocks."""
+    from wmtp.models.layers import Experts, Linear
+
+    out = _logical_splits(model)
+    for name, m in model.named_modules():
+        fmt = getattr(m, "quant", None)
+        if fmt is None or not isinstance(m, (Linear, Experts)):
+            continue
+        # a Linear's logical weight is its (quantized) ``weight``; an expert set's, each packed projection
+        weights = {f"{name}.weight": f"{name}"} if isinstance(m, Linear) else {
+            f"{name}.{w}": f"{name}.{w}" for w in (m.first, "down_proj")}
+        for key, holder in weights.items():
+            logical = out.pop(key, None)
+            if logical is None:
+                continue
+            ndim = 2 if isinstance(m, Linear) else 3
+            for suffix in fmt.suffixes:
+                split = quant_split(fmt, suffix, logical, ndim, holder, model.tp.size)
+                if split is not None:
+                    out[f"{holder}.{suffix}"] = split
+    return out
+
+
+def quant_split(fmt: Any, suffix: str, logical: Split, ndim: int, where: str, size: int) -> Split | None:
+    """The split of model tensor ``suffix`` of a quantized weight whose logical [.., N, K] weight
+    (``ndim`` dims) ``logical`` cuts (None: replicated); module docstring."""
+    if logical.dim == ndim - 2:  # output rows: the same rows of every tensor, per-row vectors too
+        return logical
+    if suffix in fmt.row_vectors:
+        return None
+    (kl, parts), = logical.pieces  # inputs are cut in one run of N chunks
+    unit, k = fmt.column_inputs[suffix], kl * parts
+    if suffix in fmt.uniform_columns:  # one value throughout: every rank takes the columns its shard needs
+        return Split(logical.dim, ((-(-kl // unit), 1),))
+    if kl % fmt.k_multiple == 0:
+        if kl % unit == 0:
+            return Split(logical.dim, ((kl // unit, parts),))
+        cols = -(-k // unit)
+        if cols == 1 or (unit % kl == 0 and k % unit == 0):  # each rank's inputs inside one block
+            return Split(logical.dim, ((1, cols),))
+    raise ConfigError(f"tensor_parallel_size={size}: {where} is a {fmt.name} weight of {k} inputs, {kl} per rank, "
+                      f"which would cut its blocks of {max(unit, fmt.k_multiple)} inputs; use a size whose "
+                      "shards hold whole blocks")
+
+
+def _logical_splits(model: nn.Module) -> dict[str, Split]:
+    """``param_splits`` over every weight as if unquantized (a quantized one's logical [.., N, K])."""
     from wmtp.models.layers import MLP, Attention, Experts, GatedDeltaNet
     from wmtp.models.nemotron_h import Mamba2Mixer, ReLU2MLP
 
