@@ -34,7 +34,7 @@ run() {
 # (space-separated test files)
 kernel_tests=${TESTS:-"tests/test_decode_graphs.py tests/test_paged_attention.py tests/test_gdn_kernel.py
   tests/test_moe_kernel.py tests/test_norm_kernel.py tests/test_linear_kernel.py tests/test_argmax_kernel.py
-  tests/test_stream_kernel.py tests/test_mamba2_kernel.py tests/test_relu2_moe_kernel.py"}
+  tests/test_stream_kernel.py tests/test_mamba2_kernel.py tests/test_relu2_moe_kernel.py tests/test_flash_prefill.py"}
 quant_tests="tests/test_quant_linear.py tests/test_quant_moe.py tests/test_linear_kernel.py tests/test_moe_kernel.py
   tests/test_relu2_moe_kernel.py
   tests/test_quantized_model.py::test_triton_backend_emits_the_twins_tokens"

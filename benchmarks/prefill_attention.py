@@ -2,7 +2,9 @@
 the paged prefill kernel at >= 0.85x SDPA's causal rate at the same head shape).
 
 For each context S: the paged kernel (``paged_attention``, prefill tiles) over one chunk of C queries
-at the end of S keys held in pages (``--table random``: a serving pool's order; ``contiguous``), and
+at the end of S keys held in pages (``--table random``: a serving pool's order; ``contiguous``),
+FlashAttention-4 over the same pages where it is installed (``flash_prefill``: what the engine
+runs then), and
 SDPA per backend (cuDNN, flash, memory-efficient) over contiguous K / V on two problems that make up
 such a chunk: the square causal C x C block (``is_causal``; top-left and bottom-right alignment agree
 when square) and the C queries against the S - C earlier keys without a mask. SDPA gets K / V
@@ -57,6 +59,7 @@ def main() -> None:
     import triton.testing
 
     from wmtp.bench.step import hardware_name, revision
+    from wmtp.kernels import flash_prefill
     from wmtp.kernels.paged_attention import AttentionMeta, paged_attention
     from wmtp.models.context import ForwardContext, PagedSlots
 
@@ -71,10 +74,17 @@ def main() -> None:
         order = torch.randperm(n_pages, device=dev) if a.table == "random" else torch.arange(n_pages, device=dev)
         table = order[None].to(torch.int32)
         q = torch.randn(C, H, D, device=dev, dtype=dt)
-        meta = AttentionMeta.from_context(ForwardContext([S - C], [C], PagedSlots(table, page), device=dev), dev)
+        ctx = ForwardContext([S - C], [C], PagedSlots(table, page), device=dev)
+        meta = AttentionMeta.from_context(ctx, dev)
         ours = triton.testing.do_bench(lambda: paged_attention(q, k_pool, v_pool, meta, scale))
         flops = 4 * H * D * (C * (S - C) + C * (C + 1) / 2)
         row = {"S": S, "chunk": C, "paged_ms": ours, "paged_tflops": flops / ours / 1e9, "sdpa": {}}
+        if flash_prefill.applies(q, k_pool, ctx):
+            fmeta = flash_prefill.FlashMeta.from_context(ctx, dev)
+            fa = lambda: flash_prefill.flash_prefill(q, k_pool, v_pool, fmeta, scale)  # noqa: E731
+            err = (fa().float() - paged_attention(q, k_pool, v_pool, meta, scale).float()).abs().max().item()
+            row["flash_attn_4"] = {"ms": (ms := triton.testing.do_bench(fa)), "tflops": flops / ms / 1e9,
+                                   "max_abs_diff_vs_paged": err}
         # the request's keys in position order, contiguous, expanded to the query heads: [1, H, S, D]
         slots = (order[:, None] * page + torch.arange(page, device=dev)).flatten()[:S]
         kc = k_pool[slots].repeat_interleave(H // KV, 1).transpose(0, 1).contiguous()[None]
@@ -95,13 +105,16 @@ def main() -> None:
                 r["paged_over_sdpa_speed"] = r["chunk_ms"] / ours
             row["sdpa"][b] = r
         rows.append(row)
+        fa4 = row.get("flash_attn_4")
         print(f"S {S}: paged {ours:.2f} ms ({row['paged_tflops']:.0f} TFLOP/s) | "
+              + (f"flash-attn-4 {fa4['ms']:.2f} ms ({fa4['tflops']:.0f}) | " if fa4 else "")
               + " | ".join(f"{b} {r.get('chunk_ms', float('nan')):.2f} ms (causal {r.get('causal_square_tflops', 0):.0f},"
                            f" prefix {r.get('prefix_tflops', 0):.0f} TFLOP/s)" for b, r in row["sdpa"].items()), flush=True)
         del k_pool, v_pool, kc, vc
         torch.cuda.empty_cache()
     meta = {"hardware": hardware_name("cuda"), "heads": H, "kv_heads": KV, "head_dim": D, "page_size": page,
             "table": a.table, "dtype": "bfloat16", "timing": "triton.testing.do_bench",
+            "flash_attn_4": flash_prefill.library_version(),
             "command": "python benchmarks/prefill_attention.py " + " ".join(sys.argv[1:])}
     with open(a.out, "w") as f:
         json.dump({"commit": revision(), "kind": "prefill_attention", "meta": meta, "rows": rows}, f, indent=1)

@@ -423,7 +423,12 @@ def run_ttft(a: argparse.Namespace, tp: TPGroup | None = None) -> int:
     prompt = torch.randint(1, model.config.vocab_size, (a.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     warm = min(a.tokens, 2 * a.chunk + 1)
     modes = a.modes.split(",")
-    settings = {k: getattr(a, k, None) for k in TTFT_SETTINGS}
+    from wmtp.kernels.flash_prefill import library_version
+
+    fa4 = library_version() if a.device.startswith("cuda") and a.backend == "triton" else None
+    # modes measured with another prefill attention are not merged into these results
+    settings = {**{k: getattr(a, k, None) for k in TTFT_SETTINGS},
+                "prefill_attention": f"flash-attn-4 {fa4}" if fa4 else a.backend}  # flash_prefill.fits chunks
     earlier = earlier_run(Path(a.out), "ttft", settings)
     rows = [r for r in earlier["rows"] if r["mode"] not in modes] if earlier else []
     for mode in modes:

@@ -420,17 +420,25 @@ def _gdn_heads(conv_out: torch.Tensor, dims: tuple[int, int, int, int, int]) -> 
 
 @register_backend("triton")
 class TritonBackend(TorchBackend):
-    """Attention through the Triton paged / ring / windowed kernel (``wmtp.kernels.paged_attention``),
-    routed experts through the pair-wise GEMV at decode sizes or grouped GEMMs beyond
+    """Attention through the Triton paged / ring / windowed kernel (``wmtp.kernels.paged_attention``;
+    prefill chunks without the draft window through FlashAttention-4 where it is installed,
+    ``wmtp.kernels.flash_prefill``), routed experts through the pair-wise GEMV at decode sizes or grouped GEMMs beyond
     (``wmtp.kernels.moe``), the recurrent / fla-chunked gated delta rule (``wmtp.kernels.gdn``) and
     fused RMSNorms (``wmtp.kernels.norm``). fp64 (exactness tests) stays on the reference."""
 
     def attention(self, q, k, v, k_cache, v_cache, ctx, scale, gate=None, kv_scale=(1.0, 1.0)):
         if q.dtype == torch.float64:
             return super().attention(q, k, v, k_cache, v_cache, ctx, scale, gate, kv_scale)
+        from wmtp.kernels import flash_prefill
         from wmtp.kernels.paged_attention import AttentionMeta, paged_attention
 
         self.store_kv(k, v, k_cache, v_cache, ctx.write_slots, kv_scale)
+        if flash_prefill.applies(q, k_cache, ctx):  # a prefill chunk without the draft window: FlashAttention-4
+            fmeta = ctx.backend_cache.get("flash_meta")
+            if fmeta is None:
+                fmeta = ctx.backend_cache["flash_meta"] = flash_prefill.FlashMeta.from_context(ctx, q.device)
+            out = flash_prefill.flash_prefill(q, k_cache, v_cache, fmeta, scale)
+            return out if gate is None else out * torch.sigmoid(gate)
         meta = ctx.backend_cache.get("attention_meta")
         if meta is None:  # built once per forward, shared by every attention layer
             meta = ctx.backend_cache["attention_meta"] = AttentionMeta.from_context(ctx, q.device)
