@@ -126,6 +126,25 @@ def test_two_ranks_give_the_single_process_tokens_at_fp8_kv(checkpoint, ranks):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("key", ["qwen3-next", "nemotron-h-nvfp4"])
+def test_the_prefix_cache_resumes_alike_on_every_rank(key, checkpoint, ranks):
+    """Each rank's engine keeps its own cache of its heads' pages and recurrent-state snapshots; the
+    ranks see the same requests, so they resume from the same snapshot: TP = 2 with the cache emits
+    TP = 1's tokens (with the cache and without) and skips as many prompt tokens."""
+    doc = [(7 * i + 3) % 500 + 1 for i in range(90)]
+    prompts = [doc + [11, 12], doc + [13], doc[:50] + [14, 15]]  # past the document's end, and mid-way
+    for name, spec in SPECS.items():
+        runs = []
+        for size, cache in ((1, False), (1, True), (2, True)):
+            llm = LLM(checkpoint(key), spec=spec, max_model_len=160, max_num_seqs=2, tensor_parallel_size=size,
+                      prefix_cache=cache, page_size=16)
+            tokens = [llm.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids for p in prompts]
+            runs.append((tokens, llm.stats()["prefix_cache"]["hit_tokens"]))
+            llm.close()
+        assert runs[0][0] == runs[1][0] == runs[2][0], name
+        assert runs[1][1] == runs[2][1] > 0, name
+
+
 def test_adaptive_depth_chooses_alike_on_every_rank(checkpoint, ranks):
     """Each rank's clock differs; the depth controllers agree on the slowest rank's time, so every
     rank runs the same γ each iteration (else their collectives would not match) and the tokens are
