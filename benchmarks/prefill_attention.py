@@ -114,7 +114,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     meta = {"hardware": hardware_name("cuda"), "heads": H, "kv_heads": KV, "head_dim": D, "page_size": page,
             "table": a.table, "dtype": "bfloat16", "timing": "triton.testing.do_bench",
-            "flash_attn_4": flash_prefill.library_version(),
+            "flash_attn_4": flash_prefill.library_version(dev),
             "command": "python benchmarks/prefill_attention.py " + " ".join(sys.argv[1:])}
     with open(a.out, "w") as f:
         json.dump({"commit": revision(), "kind": "prefill_attention", "meta": meta, "rows": rows}, f, indent=1)

@@ -425,7 +425,7 @@ def run_ttft(a: argparse.Namespace, tp: TPGroup | None = None) -> int:
     modes = a.modes.split(",")
     from wmtp.kernels.flash_prefill import library_version
 
-    fa4 = library_version() if a.device.startswith("cuda") and a.backend == "triton" else None
+    fa4 = library_version(torch.device(a.device)) if a.backend == "triton" else None
     # modes measured with another prefill attention are not merged into these results
     settings = {**{k: getattr(a, k, None) for k in TTFT_SETTINGS},
                 "prefill_attention": f"flash-attn-4 {fa4}" if fa4 else a.backend}  # flash_prefill.fits chunks

@@ -9,7 +9,7 @@ design (wgmma tiles, a TMA / warp-specialised producer, softmax overlapped with 
 products); our Triton prefill kernel stays for everything it does not cover.
 
 Used where ``flash_attn.cute`` imports (the optional ``flash`` extra), on compute capability 9+
-with 16-bit K / V, for a forward with neither the draft window nor the ring (target prefill, the
+(``WMTP_FLASH_PREFILL=0``: off) with 16-bit K / V, for a forward with neither the draft window nor the ring (target prefill, the
 native draft's prefill). The twin is ``TorchBackend.attention``: ``tests/test_paged_attention.py``
 checks the call against a PyTorch implementation of the library's contract (CPU) and the library
 against the twin (GPU).
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wmtp.kernels.common import gpu_feature
 from wmtp.models.context import ForwardContext, PagedSlots
 
 MIN_QUERIES = 64  # below this a forward is decode / verify: the Triton kernel's own paths
@@ -37,9 +38,10 @@ def _varlen() -> Callable | None:
     return flash_attn_varlen_func
 
 
-def library_version() -> str | None:
-    """The installed flash-attn-4's version, or None where it does not import."""
-    if _varlen() is None:
+def library_version(device: torch.device | None = None) -> str | None:
+    """The installed flash-attn-4's version, or None where it does not import (or, with ``device``,
+    where ``applies`` would not take it there whatever the forward)."""
+    if _varlen() is None or (device is not None and not gpu_feature(device, (9, 0), "WMTP_FLASH_PREFILL")):
         return None
     from importlib.metadata import PackageNotFoundError, version
 
@@ -81,9 +83,9 @@ def fits(ctx: ForwardContext, q_dtype: torch.dtype, kv_dtype: torch.dtype, head_
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, ctx: ForwardContext) -> bool:
     """Whether this forward's attention runs on FlashAttention-4: it ``fits``, on a GPU of compute
-    capability 9+ where the library imports."""
-    return (q.is_cuda and fits(ctx, q.dtype, k_cache.dtype, q.shape[-1])
-            and torch.cuda.get_device_capability(q.device)[0] >= 9 and _varlen() is not None)
+    capability 9+ where the library imports, unless ``WMTP_FLASH_PREFILL=0`` (the Triton kernel)."""
+    return (gpu_feature(q.device, (9, 0), "WMTP_FLASH_PREFILL") and fits(ctx, q.dtype, k_cache.dtype, q.shape[-1])
+            and _varlen() is not None)
 
 
 def flash_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: FlashMeta, scale: float,
