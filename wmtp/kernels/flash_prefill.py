@@ -84,7 +84,7 @@ def fits(ctx: ForwardContext, q_dtype: torch.dtype, kv_dtype: torch.dtype, head_
 def applies(q: torch.Tensor, k_cache: torch.Tensor, ctx: ForwardContext) -> bool:
     """Whether this forward's attention runs on FlashAttention-4: it ``fits``, on a GPU of compute
     capability 9+ where the library imports, unless ``WMTP_FLASH_PREFILL=0`` (the Triton kernel)."""
-    return (gpu_feature(q.device, (9, 0), "WMTP_FLASH_PREFILL") and fits(ctx, q.dtype, k_cache.dtype, q.shape[-1])
+    return (fits(ctx, q.dtype, k_cache.dtype, q.shape[-1]) and gpu_feature(q.device, (9, 0), "WMTP_FLASH_PREFILL")
             and _varlen() is not None)
 
 
