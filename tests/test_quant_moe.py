@@ -137,3 +137,26 @@ def test_e2m1_through_e4m3_equals_the_bit_placement(dtype, monkeypatch):
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert want[0].abs().max() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_down_combine_with_a_quantized_shared_expert(fmt, dtype):
+    """``down_combine``'s shared term (the shared expert's down projection times its sigmoid gate)
+    over a quantized weight in the routed format, at a verify's tokens and at one."""
+    E, H, inter, shared_inter, top_k = 6, 96, 48, 32, 3
+    down = _experts(fmt, [(H, inter)], E, seed=9)
+    down_s = _linear(fmt, H, shared_inter, 10)
+    F = torch.nn.functional
+    for T in (1, 5):
+        g = torch.Generator().manual_seed(11 + T)
+        h = torch.randn(T * top_k, inter, generator=g).to(DEVICE, dtype)
+        h_s = torch.randn(T, shared_inter, generator=g).to(DEVICE, dtype)
+        logit = torch.randn(T, generator=g).to(DEVICE)
+        idx = torch.randint(0, E, (T, top_k), generator=g).to(DEVICE)
+        top_w = torch.rand(T, top_k, generator=g).to(DEVICE)
+        out = down_combine(h, down, idx, top_w, top_k, shared=(h_s, down_s, logit))
+        y = torch.stack([F.linear(h[p], down[int(e)].dequantize(dtype)) for p, e in enumerate(idx.view(-1))])
+        routed = (y.view(T, top_k, H).float() * top_w[..., None]).sum(1)
+        s = F.linear(h_s, down_s.dequantize(dtype)).float() * torch.sigmoid(logit.float())[:, None]
+        assert _close(out, (routed + s).to(dtype)), T
