@@ -1,0 +1,36 @@
+"""The decode kernels over quantized weights compile for Hopper (sm_90) on any machine
+(``tests/hopper_compile.py``, one process of its own with Triton compiling, not interpreting). The
+interpreter runs the kernels' Python and the kernel tests check their numerics, but only a compile
+checks inline PTX (the e2m1 conversions), compiled-mode typing (loop-carried values, constexpr
+branches) and register allocation before a GPU runs them: every case must give an sm_90 cubin
+without register spills."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+from tests.hopper_compile import cases  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, str | None]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "tests.hopper_compile"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(cases()))
+def test_kernel_compiles_for_hopper(case, compiled):
+    assert compiled[case] is None, compiled[case]
