@@ -21,6 +21,8 @@ if [[ -d .flash1 && -d .flash2 && -d .flash3 ]]; then bash benchmarks/flash_whee
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
+  # the CUTLASS DSL (FlashAttention-4's) puts its packages on the path from a .pth, which PYTHONPATH skips
+  [[ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ]] && export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 fi
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 parts=${PARTS:-tests,identity,step,ttft,suite,batch}
