@@ -1,6 +1,7 @@
-"""The decode kernels over quantized weights compiled for Hopper (sm_90) without a GPU: Triton's
-front end, its LLVM lowering and ptxas (``test_kernels_compile_sm90`` runs this module in a process
-of its own, since the CPU test session's Triton interprets kernels instead of compiling them).
+"""The decode kernels over quantized weights, and the paged attention kernel, compiled for Hopper
+(sm_90) without a GPU: Triton's front end, its LLVM lowering and ptxas (``test_kernels_compile_sm90``
+runs this module in a process of its own, since the CPU test session's Triton interprets kernels
+instead of compiling them).
 
     python -m tests.hopper_compile      # JSON: case -> null, or why it failed
 """
@@ -24,8 +25,8 @@ def _ints(*names: str) -> dict[str, str]:
     return dict.fromkeys(names, "i32")
 
 
-def cases() -> dict[str, tuple[str, dict[str, str], dict]]:
-    """name -> (``module:kernel``, argument types by name, constexprs)."""
+def cases() -> dict[str, tuple]:
+    """name -> (``module:kernel``, argument types by name, constexprs[, launch options])."""
     out = {}
     for (fmt, cvt), splits in itertools.product(CVT, (1, 4)):
         code, w, s = QUANT_FORMATS[fmt]
@@ -54,6 +55,25 @@ def cases() -> dict[str, tuple[str, dict[str, str], dict]]:
              **_ints("N", "K", "KS", "stride_we", "stride_wn", "stride_ce", "stride_cn", "stride_re", "stride_ws",
                      "stride_cs")},
             dict(TOP_K=8, TOP_K_P=8, SHARED=shared, FORMAT=code, BLOCK_N=4, BLOCK_K=256, CVT=cvt, PDL=True))
+    # the paged attention kernel at the launch configurations paged_attention picks (module docstring
+    # there): compiled, spills allowed (its [64, 256] fp32 accumulator spills at 4 warps and still
+    # reads keys at the bandwidth floor)
+    attn = {"Q": "*bf16", "Out": "*bf16", "OPart": "*fp32", "MPart": "*fp32", "LPart": "*fp32", "Gate": "*bf16",
+            "q_start_ptr": "*i32", "q_len_ptr": "*i32", "tok_off_ptr": "*i32", "win_ptr": "*i32", "table_ptr": "*i32",
+            "scale_log2e": "fp32", "v_scale": "fp32",
+            **_ints("table_stride", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_ot", "stride_oh",
+                    "stride_gt", "stride_gh", "stride_ps", "stride_pt", "stride_ph", "num_q_blocks", "num_splits",
+                    "page_size", "sink", "window", "ring_mod")}
+    shape = dict(GROUP=8, GROUP_P=8, D=256, BLOCK_D=256, RING=False, IEEE=False, GATED=False, KV8=False, PDL=True)
+    for name, kv, c, warps, stages in (
+            ("verify", "*bf16", dict(BLOCK_Q=8, BLOCK_N=64, CONTIG=True, SPLIT=True), 4, 3),
+            ("wide_verify", "*bf16", dict(BLOCK_Q=16, BLOCK_N=32, CONTIG=True, SPLIT=True), 8, 3),
+            ("prefill", "*bf16", dict(BLOCK_Q=16, BLOCK_N=64, CONTIG=True, SPLIT=False, GATED=True), 8, 2),
+            ("kv_fp8", "*fp8e4nv", dict(BLOCK_Q=8, BLOCK_N=32, CONTIG=True, SPLIT=True, KV8=True), 4, 4),
+            ("ring", "*bf16", dict(BLOCK_Q=8, BLOCK_N=32, CONTIG=False, SPLIT=True, RING=True), 4, 2),
+            ("windowed_pages", "*bf16", dict(BLOCK_Q=8, BLOCK_N=32, CONTIG=False, SPLIT=True), 4, 2)):
+        out[f"paged_attention-{name}"] = ("wmtp.kernels.paged_attention:_attn_split_kernel", {**attn, "K": kv, "V": kv},
+                                          {**shape, **c}, {"num_warps": warps, "num_stages": stages, "spills": True})
     return out
 
 
@@ -71,8 +91,11 @@ def _spill_bytes(ptx: str) -> int:
     return int(re.search(r"(\d+) bytes spill stores", err).group(1))
 
 
-def compile_case(kernel: str, types: dict[str, str], constexprs: dict) -> str | None:
-    """None where the kernel compiles to an sm_90 cubin without register spills, else why not."""
+def compile_case(kernel: str, types: dict[str, str], constexprs: dict, launch: dict | None = None) -> str | None:
+    """None where the kernel compiles to an sm_90 cubin without register spills (``launch``: its
+    num_warps / num_stages, 4 / 3 by default, and ``spills`` True where spills are allowed), else
+    why not."""
+    launch = {"num_warps": 4, "num_stages": 3, "spills": False, **(launch or {})}
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -84,11 +107,11 @@ def compile_case(kernel: str, types: dict[str, str], constexprs: dict) -> str | 
     sig = {a: "constexpr" if a in constexprs else types[a] for a in fn.arg_names}
     try:
         k = compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                    options={"num_warps": 4, "num_stages": 3})
+                    options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]})
     except Exception as e:  # the compiler's own message is the result
         return "".join(traceback.format_exception_only(type(e), e))[-4000:]
     spills = _spill_bytes(k.asm["ptx"])
-    return f"{spills} bytes of register spills" if spills else None
+    return f"{spills} bytes of register spills" if spills and not launch["spills"] else None
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
-"""The decode kernels over quantized weights compile for Hopper (sm_90) on any machine
-(``tests/hopper_compile.py``, one process of its own with Triton compiling, not interpreting). The
-interpreter runs the kernels' Python and the kernel tests check their numerics, but only a compile
-checks inline PTX (the e2m1 conversions), compiled-mode typing (loop-carried values, constexpr
-branches) and register allocation before a GPU runs them: every case must give an sm_90 cubin
-without register spills."""
+"""The decode kernels over quantized weights and the paged attention kernel compile for Hopper
+(sm_90) on any machine (``tests/hopper_compile.py``, one process of its own with Triton compiling,
+not interpreting). The interpreter runs the kernels' Python and the kernel tests check their
+numerics, but only a compile checks inline PTX (the e2m1 conversions), compiled-mode typing
+(loop-carried values, constexpr branches) and register allocation before a GPU runs them: every
+case must give an sm_90 cubin, the quantized kernels' without register spills."""
 
 from __future__ import annotations
 
