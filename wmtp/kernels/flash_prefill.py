@@ -9,10 +9,11 @@ design (wgmma tiles, a TMA / warp-specialised producer, softmax overlapped with 
 products); our Triton prefill kernel stays for everything it does not cover.
 
 Used where ``flash_attn.cute`` imports (the optional ``flash`` extra), on compute capability 9+
-(``WMTP_FLASH_PREFILL=0``: off) with 16-bit K / V, for a forward with neither the draft window nor the ring (target prefill, the
-native draft's prefill). The twin is ``TorchBackend.attention``: ``tests/test_paged_attention.py``
-checks the call against a PyTorch implementation of the library's contract (CPU) and the library
-against the twin (GPU).
+(``WMTP_FLASH_PREFILL=0``: off) with 16-bit K / V, for a prefill-sized forward (``PREFILL_MIN_Q``,
+the Triton kernel's own line) with neither the draft window nor the ring: target prefill, the native
+draft's prefill. The twin is ``TorchBackend.attention``: ``tests/test_flash_prefill.py`` checks the
+call against a PyTorch implementation of the library's contract (CPU) and the library against the
+twin (GPU).
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from wmtp.kernels.common import gpu_feature
+from wmtp.kernels.paged_attention import PREFILL_MIN_Q
 from wmtp.models.context import ForwardContext, PagedSlots
-
-MIN_QUERIES = 64  # below this a forward is decode / verify: the Triton kernel's own paths
 
 
 @functools.cache
@@ -64,18 +64,17 @@ class FlashMeta:
 
     @classmethod
     def from_context(cls, ctx: ForwardContext, device: torch.device) -> "FlashMeta":
-        host = torch.tensor([*ctx.token_offsets, *(s + n for s, n in zip(ctx.q_starts, ctx.q_lens))], dtype=torch.int32)
-        dev = host.to(device, non_blocking=True)
+        used = [s + n for s, n in zip(ctx.q_starts, ctx.q_lens)]
+        dev = torch.tensor([*ctx.token_offsets, *used], dtype=torch.int32).to(device, non_blocking=True)
         b = ctx.batch_size
         table = ctx.kv_slots.block_table.to(device=device, dtype=torch.int32)
-        return cls(dev[: b + 1], dev[b + 1 :], table, ctx.kv_slots.page_size, max(ctx.q_lens),
-                   max(s + n for s, n in zip(ctx.q_starts, ctx.q_lens)))
+        return cls(dev[: b + 1], dev[b + 1 :], table, ctx.kv_slots.page_size, max(ctx.q_lens), max(used))
 
 
 def fits(ctx: ForwardContext, q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the forward is one the library's call covers: a prefill-sized chunk over pages with no
     draft window, 16-bit queries and K / V alike, head_dim a multiple of 8 up to 256."""
-    return (max(ctx.q_lens, default=0) >= MIN_QUERIES and isinstance(ctx.kv_slots, PagedSlots)
+    return (max(ctx.q_lens, default=0) > PREFILL_MIN_Q and isinstance(ctx.kv_slots, PagedSlots)
             and all(ctx.window(b) is None for b in range(ctx.batch_size))
             and q_dtype in (torch.bfloat16, torch.float16) and kv_dtype == q_dtype
             and head_dim % 8 == 0 and head_dim <= 256)

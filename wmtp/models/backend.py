@@ -422,8 +422,8 @@ def _gdn_heads(conv_out: torch.Tensor, dims: tuple[int, int, int, int, int]) -> 
 class TritonBackend(TorchBackend):
     """Attention through the Triton paged / ring / windowed kernel (``wmtp.kernels.paged_attention``;
     prefill chunks without the draft window through FlashAttention-4 where it is installed,
-    ``wmtp.kernels.flash_prefill``), routed experts through the pair-wise GEMV at decode sizes or grouped GEMMs beyond
-    (``wmtp.kernels.moe``), the recurrent / fla-chunked gated delta rule (``wmtp.kernels.gdn``) and
+    ``wmtp.kernels.flash_prefill``), routed experts through the pair-wise GEMV at decode sizes or
+    grouped GEMMs beyond (``wmtp.kernels.moe``), the recurrent / fla-chunked gated delta rule (``wmtp.kernels.gdn``) and
     fused RMSNorms (``wmtp.kernels.norm``). fp64 (exactness tests) stays on the reference."""
 
     def attention(self, q, k, v, k_cache, v_cache, ctx, scale, gate=None, kv_scale=(1.0, 1.0)):

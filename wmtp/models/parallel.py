@@ -32,9 +32,10 @@ Recurrent states, their rollback and the draft ring are per rank (its own heads)
 Quantized weights (``wmtp.quant``) are cut as their logical [.., N, K] weight is: a cut of the rows
 takes the same rows of the packed weight, its scales and its per-row vectors; a cut of the inputs
 takes whole columns of the packed weight and of each scale (``QuantFormat.column_inputs``), so a
-rank's shard of K must hold whole scale blocks (or lie inside one block, whose scale its ranks share;
-a per-tensor scale laid out per block fits any shard), and the per-row vectors are replicated. Per-tensor scales stay per tensor of the whole model, so a
-shard dequantizes to exactly the whole weight's slice.
+rank's shard of K must hold whole scale blocks (or lie inside one block, whose scale its ranks
+share; a per-tensor scale laid out per block fits any shard), and the per-row vectors are
+replicated. Per-tensor scales stay per tensor of the whole model, so a shard dequantizes to exactly
+the whole weight's slice.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from torch import nn
 
 from wmtp.config import ModelConfig
 from wmtp.errors import ConfigError
+from wmtp.quant import QuantFormat
 
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there); the GPU machine's 2.11 may not have the new name
@@ -187,7 +189,7 @@ def param_splits(model: nn.Module) -> dict[str, Split]:
         if fmt is None or not isinstance(m, (Linear, Experts)):
             continue
         # a Linear's logical weight is its (quantized) ``weight``; an expert set's, each packed projection
-        weights = {f"{name}.weight": f"{name}"} if isinstance(m, Linear) else {
+        weights = {f"{name}.weight": name} if isinstance(m, Linear) else {
             f"{name}.{w}": f"{name}.{w}" for w in (m.first, "down_proj")}
         for key, holder in weights.items():
             logical = out.pop(key, None)
@@ -201,7 +203,7 @@ def param_splits(model: nn.Module) -> dict[str, Split]:
     return out
 
 
-def quant_split(fmt: Any, suffix: str, logical: Split, ndim: int, where: str, size: int) -> Split | None:
+def quant_split(fmt: QuantFormat, suffix: str, logical: Split, ndim: int, where: str, size: int) -> Split | None:
     """The split of model tensor ``suffix`` of a quantized weight whose logical [.., N, K] weight
     (``ndim`` dims) ``logical`` cuts (None: replicated); module docstring."""
     if logical.dim == ndim - 2:  # output rows: the same rows of every tensor, per-row vectors too
