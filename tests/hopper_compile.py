@@ -28,14 +28,14 @@ def _ints(*names: str) -> dict[str, str]:
 def cases() -> dict[str, tuple]:
     """name -> (``module:kernel``, argument types by name, constexprs[, launch options])."""
     out = {}
-    for (fmt, cvt), splits in itertools.product(CVT, (1, 4)):
+    for (fmt, cvt), splits, mma in itertools.product(CVT, (1, 4), (False, True)):
         code, w, s = QUANT_FORMATS[fmt]
-        out[f"skinny_linear-{fmt}-cvt{int(cvt)}-splits{splits}"] = (
+        out[f"skinny_linear-{fmt}-cvt{int(cvt)}-splits{splits}{'-mma' if mma else ''}"] = (
             "wmtp.kernels.linear:_skinny_linear_kernel",
-            {"X": "*bf16", "W": w, "S": s, "R": "*fp32", "BIAS": "*bf16", "OUT": "*bf16", "PART": "*fp32",
+            {"X": "*bf16", "W": "*i32" if mma and code == 1 else w, "S": s, "R": "*fp32", "BIAS": "*bf16", "OUT": "*bf16", "PART": "*fp32",
              "COUNT": "*i32", **_ints("T", "N", "K", "stride_xt", "stride_wn", "stride_sn", "stride_ot", "K_SPLIT")},
-            dict(FORMAT=code, HAS_BIAS=True, SPLITS=splits, WIDEN=False, PREC="tf32", T_P=16, BLOCK_N=64, BLOCK_K=128,
-                 CVT=cvt, PDL=True))
+            dict(FORMAT=code, HAS_BIAS=True, SPLITS=splits, WIDEN=False, PREC="tf32", T_P=16, BLOCK_N=128 if mma else 64,
+                 BLOCK_K=128, CVT=cvt, MMA=mma, PDL=True), {"num_warps": 8 if mma and code == 2 else 4})
     for (fmt, cvt), act in itertools.product(CVT, ("swiglu", "relu2", "linear")):
         code, w, s = QUANT_FORMATS[fmt]
         out[f"pair_gemv-{fmt}-cvt{int(cvt)}-{act}"] = (
@@ -91,11 +91,15 @@ def _spill_bytes(ptx: str) -> int:
     return int(re.search(r"(\d+) bytes spill stores", err).group(1))
 
 
-def compile_case(kernel: str, types: dict[str, str], constexprs: dict, launch: dict | None = None) -> str | None:
-    """None where the kernel compiles to an sm_90 cubin without register spills (``launch``: its
-    num_warps / num_stages, 4 / 3 by default, and ``spills`` True where spills are allowed), else
-    why not."""
-    launch = {"num_warps": 4, "num_stages": 3, "spills": False, **(launch or {})}
+# integer arguments the engine's shapes make multiples of 16 (hidden sizes of 2048 and more), which
+# Triton's launcher then specializes as such, as it does every 16-byte-aligned pointer
+ALIGNED_INTS = ("N", "K", "NS", "KS", "K_SPLIT")
+
+
+def build(kernel: str, types: dict[str, str], constexprs: dict, launch: dict | None = None):
+    """The sm_90 ``CompiledKernel`` of a case (``launch``: num_warps / num_stages, 4 / 3 by default),
+    its pointers, strides and ``ALIGNED_INTS`` specialized as 16-divisible as at the engine's launches."""
+    launch = {"num_warps": 4, "num_stages": 3, **(launch or {})}
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -103,15 +107,23 @@ def compile_case(kernel: str, types: dict[str, str], constexprs: dict, launch: d
     fn = getattr(importlib.import_module(module), name)
     missing = [a for a in fn.arg_names if a not in types and a not in constexprs]
     if missing:
-        return f"no type for {missing}"
+        raise ValueError(f"{kernel}: no type for {missing}")
     sig = {a: "constexpr" if a in constexprs else types[a] for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a not in constexprs and (
+        types[a].startswith("*") or types[a] == "i32" and (a.startswith("stride") or a in ALIGNED_INTS))}
+    return compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]})
+
+
+def compile_case(kernel: str, types: dict[str, str], constexprs: dict, launch: dict | None = None) -> str | None:
+    """None where the kernel compiles to an sm_90 cubin without register spills (``launch``: as
+    ``build``'s, and ``spills`` True where spills are allowed), else why not."""
     try:
-        k = compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                    options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]})
+        k = build(kernel, types, constexprs, launch)
     except Exception as e:  # the compiler's own message is the result
         return "".join(traceback.format_exception_only(type(e), e))[-4000:]
     spills = _spill_bytes(k.asm["ptx"])
-    return f"{spills} bytes of register spills" if spills and not launch["spills"] else None
+    return f"{spills} bytes of register spills" if spills and not (launch or {}).get("spills") else None
 
 
 def main() -> None:
