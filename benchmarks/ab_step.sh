@@ -5,6 +5,8 @@
 #   here:       benchmarks/ab_step.sh pack REV [REV ...]   # git archive each into .ab/<rev>.tar
 #   on the GPU: benchmarks/ab_step.sh run [ROUNDS] [MODES]  # (carry .ab and .whl) -> $OUT/ab_*.json,
 #                                                           #    $OUT/ab_summary.txt
+#   or, the working tree under settings: benchmarks/ab_step.sh env ROUNDS MODES VAR=VALUE [VAR=VALUE ...]
+#                                                           # -> $OUT/ab_VAR-VALUE_*.json, the first the baseline
 # Env: PRESET (qwen3.6-35b-a3b), CONTEXT (1040000), D (7), ITERS (60).
 set -euo pipefail
 cmd=${1:-}
@@ -19,9 +21,10 @@ pack)
     echo "$sha" >> .ab/order  # the first is the baseline of the summary
     echo ".ab/$sha.tar ($rev)"
   done ;;
-run)
+run | env)
   rounds=${2:-2} modes=${3:-windowed} out=${OUT:-ab_out}
-  [[ -f .ab/order ]] || { echo "ab_step.sh run: no .ab/order (pack the revisions first, carry .ab)" >&2; exit 2; }
+  [[ $cmd == env || -f .ab/order ]] || { echo "ab_step.sh run: no .ab/order (pack the revisions first, carry .ab)" >&2; exit 2; }
+  [[ $cmd == run || $# -ge 5 ]] || { echo "ab_step.sh env: name at least two VAR=VALUE settings" >&2; exit 2; }
   mkdir -p "$out" /tmp/ab
   out=$(cd "$out" && pwd)
   site=""
@@ -29,13 +32,22 @@ run)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     site=/tmp/site
   fi
-  mapfile -t revs < .ab/order
-  for rev in "${revs[@]}"; do
-    mkdir -p "/tmp/ab/$rev" && tar -xf ".ab/$rev.tar" -C "/tmp/ab/$rev"
-  done
+  declare -A dir setting
+  if [[ $cmd == run ]]; then
+    mapfile -t revs < .ab/order
+    for rev in "${revs[@]}"; do
+      mkdir -p "/tmp/ab/$rev" && tar -xf ".ab/$rev.tar" -C "/tmp/ab/$rev"
+      dir[$rev]=/tmp/ab/$rev setting[$rev]=WMTP_COMMIT=$rev
+    done
+  else
+    revs=()
+    for kv in "${@:4}"; do
+      rev=${kv//=/-}; revs+=("$rev"); dir[$rev]=$PWD setting[$rev]=$kv
+    done
+  fi
   for ((r = 1; r <= rounds; r++)); do
     for rev in "${revs[@]}"; do
-      (cd "/tmp/ab/$rev" && WMTP_COMMIT=$rev PYTHONPATH="/tmp/ab/$rev:$site" PYTHONUNBUFFERED=1 python3 -m wmtp bench step \
+      (cd "${dir[$rev]}" && export "${setting[$rev]}" && PYTHONPATH="${dir[$rev]}:$site" PYTHONUNBUFFERED=1 python3 -m wmtp bench step \
          --preset "${PRESET:-qwen3.6-35b-a3b}" --context "${CONTEXT:-1040000}" -d "${D:-7}" --iters "${ITERS:-60}" \
          --modes "$modes" --out "$out/ab_${rev}_$r.json" | grep "t_iter " || true)
       [[ -f "$out/ab_${rev}_$r.json" ]] || echo "ab_step.sh: $rev round $r failed (no JSON)" | tee -a "$out/ab_summary.txt" >&2
@@ -63,5 +75,5 @@ for mode in sorted({m for m, _ in rows}):
 PY
   ;;
 *)
-  echo "usage: benchmarks/ab_step.sh pack REV [REV ...] | run [ROUNDS] [MODES]" >&2; exit 2 ;;
+  echo "usage: benchmarks/ab_step.sh pack REV [REV ...] | run [ROUNDS] [MODES] | env ROUNDS MODES VAR=VALUE ..." >&2; exit 2 ;;
 esac
