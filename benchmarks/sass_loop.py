@@ -30,8 +30,8 @@ def loop_bytes(name: str, cx: dict) -> float | None:
     per_value = 0.5 if cx.get("FORMAT") == 1 else 1.0
     if name.startswith("skinny_linear"):
         return cx["BLOCK_N"] * cx["BLOCK_K"] * per_value
-    if name.startswith("pair_gemv"):  # SwiGLU reads gate and up
-        return (2 if cx["ACT"] == 0 else 1) * cx["BLOCK_N"] * cx["BLOCK_K"] * per_value
+    if name.startswith("pair_gemv"):  # SwiGLU reads gate and up in one loop (with MMA, a loop each)
+        return (2 if cx["ACT"] == 0 and not cx["MMA"] else 1) * cx["BLOCK_N"] * cx["BLOCK_K"] * per_value
     return None
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from wmtp.kernels.common import arrival_counters, launch_tile, pdl
-from wmtp.kernels.quant_tiles import FP8_CODE, NVFP4_CODE, dequantize, e2m1_cvt, kernel_weight
+from wmtp.kernels.quant_tiles import FP8_CODE, NVFP4_CODE, dequantize, e2m1_cvt, kernel_weight, mma_words, quant_mma
 from wmtp.quant import QuantWeight
 
 try:
@@ -143,7 +143,7 @@ def quant_tiles(n: int, k: int, fmt: int = NVFP4_CODE, mma: bool | None = None) 
     blocks, 4 warps for NVFP4 and 8 for FP8, the sm_90 builds without register spills; its Hopper
     SASS has 9.8 (NVFP4) and 3.3 (FP8) instructions a weight byte in the K loop against 18.8 and 4.9
     (``benchmarks/sass_loop.py``), not yet timed on a GPU."""
-    mma = os.environ.get("WMTP_QUANT_MMA") == "1" if mma is None else mma
+    mma = quant_mma() if mma is None else mma
     block_n = 128 if mma else 32 if n <= 1024 else 64
     blocks = -(-n // block_n)
     splits = next(s for s in (8, 4, 2, 1) if s == 1 or blocks * s <= 1200)
@@ -206,8 +206,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
         if cfg.mma and (not quant or cfg.block_n < 16 or bk < 32):
             raise ValueError(f"skinny_linear: mma tiles take quantized weights, block_n >= 16 and block_k >= 32 "
                              f"(got {kind} weight, block_n {cfg.block_n}, block_k {bk})")
-        # the mma tile reads NVFP4's bytes as int32 words (K, a multiple of 16, keeps rows 8-byte aligned)
-        w_arg = kw.weight.view(torch.int32) if cfg.mma and kw.format == NVFP4_CODE else kw.weight
+        w_arg = mma_words(kw).weight if cfg.mma else kw.weight
         k_split = triton.cdiv(triton.cdiv(K, cfg.splits), bk) * bk  # a multiple of the K step
         splits = triton.cdiv(K, k_split)
         blocks = triton.cdiv(N, cfg.block_n)

@@ -20,6 +20,7 @@ converts two at a time (``e2m1_pairs``), elsewhere into fp16 bits (``e2m1_values
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -89,6 +90,19 @@ def e2m1_cvt(device: torch.device) -> dict[str, bool]:
     capability 8.9+; off under the CPU interpreter and with ``WMTP_E2M1_CVT=0``. Both decodes give
     the same values: the kernels' results do not depend on it."""
     return {"CVT": gpu_feature(device, (8, 9), "WMTP_E2M1_CVT")}
+
+
+def quant_mma() -> bool:
+    """Whether the quantized decode kernels' default tiles take the weight as the dot's first operand
+    (``weight_tile_mma``): with ``WMTP_QUANT_MMA=1`` only, until timed against ``weight_tile_dot`` /
+    ``weight_dot`` on a GPU (``benchmarks/ab_step.sh env``)."""
+    return os.environ.get("WMTP_QUANT_MMA") == "1"
+
+
+def mma_words(kw: KernelWeight) -> KernelWeight:
+    """``kw`` as ``weight_tile_mma`` reads it: NVFP4's packed bytes as int32 words (4 bytes, 8
+    inputs; K a multiple of 16 keeps every row and expert word-aligned), other formats as they are."""
+    return kw._replace(weight=kw.weight.view(torch.int32)) if kw.format == NVFP4_CODE else kw
 
 
 def same_layout(a: KernelWeight, b: KernelWeight) -> bool:
