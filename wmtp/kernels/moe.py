@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from wmtp.kernels.common import SharedExpert, SigmoidRouting, launch_tile, pdl
 from wmtp.kernels.linear import decode_linear, dot_flags
-from wmtp.kernels.quant_tiles import (FLOAT, FP8_CODE, KernelWeight, e2m1_cvt, kernel_weight, mma_words, quant_mma,
+from wmtp.kernels.quant_tiles import (FLOAT, FP8_CODE, NVFP4_CODE, KernelWeight, e2m1_cvt, kernel_weight, mma_words, quant_mma,
                                      same_layout)
 from wmtp.quant import QuantWeight, dense
 
@@ -388,6 +388,8 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
             tile, warps = (16, 128) if big else (8, 256), 8
         elif act != SWIGLU:
             tile, warps = (32, 256) if big else (8, 256), 4
+        elif g.format == NVFP4_CODE:
+            tile, warps = ((8, 512), 4) if big else ((8, 512), 8)
         else:
             tile, warps = ((16, 128), 4) if big else ((16, 256), 8)
         cfg = {"BLOCK_N": launch_tile(tile[0], max(N, Ns)), "BLOCK_K": _block_k(g, tile[1], K), "num_warps": warps,
@@ -442,7 +444,12 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
         # at 4 warps; benchmarks/tune_moe.py)
         # quantized: 4 x 256 (8 warps at 1 token, 4 at 7): 12.7 / 63.3 us against 28.7 / 179.4 at
         # the bf16 tiles for NVFP4 (tune_moe.py --quantize)
-        tile, warps = ((8, 128), 8) if d.format == FLOAT else ((4, 256), 8 if T == 1 else 4)
+        if d.format == FLOAT:
+            tile, warps = (8, 128), 8
+        elif d.format == NVFP4_CODE:
+            tile, warps = ((16, 256) if T == 1 else (32, 256)), 8
+        else:
+            tile, warps = (4, 256), 8 if T == 1 else 4
         # more experts a token (with a shared expert): as many fewer rows a tile, the same registers
         rows = max(2, tile[0] * 8 // triton.next_power_of_2(top_k))
         cfg = {"BLOCK_N": launch_tile(rows, N), "BLOCK_K": _block_k(d, tile[1], K), "num_warps": warps, **launch}
