@@ -28,11 +28,10 @@ SHAPES = [("o_proj / out_proj / mtp fc", 2048, 4096, GRID_DEEP),
           ("attention qkv", 9216, 2048, GRID_WIDE), ("gdn in_proj", 12352, 2048, GRID_WIDE)]
 
 
-# quantized weights (--quantize): (block_n, block_k, splits, num_warps, num_stages, mma), K steps the
-# format allows (FP8: within a 128-input scale block); mma: the weight as the dot's first operand
-_MMA = list(itertools.product((64, 128), (64, 128), (1, 2, 4, 8), (4, 8), (3,), (True,)))
-QUANT_GRIDS = {"nvfp4": list(itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8), (4,), (3,))) + _MMA,
-               "fp8": list(itertools.product((16, 32, 64), (64, 128), (1, 2, 4, 8), (4,), (3,))) + _MMA}
+# quantized weights (--quantize): (block_n, block_k, splits, num_warps, num_stages), K steps the
+# format allows (FP8: within a 128-input scale block)
+QUANT_GRIDS = {"nvfp4": list(itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8), (4,), (3,))),
+               "fp8": list(itertools.product((16, 32, 64), (64, 128), (1, 2, 4, 8), (4,), (3,)))}
 QUANT_SHAPES = SHAPES[:1] + SHAPES[2:] + [("shared expert gate / up", 512, 2048, None),
                                           ("shared expert down", 2048, 512, None)]
 
@@ -50,7 +49,6 @@ def main() -> None:
     from wmtp.bench.step import revision
     from wmtp.bench.timing import cold_ms_per_call
     from wmtp.kernels.linear import LinearTiles, decode_linear, linear_tiles, quant_tiles, skinny_linear
-    from wmtp.kernels.quant_tiles import kernel_weight
     from wmtp.quant import FORMATS, QuantWeight
 
     dt, rows = torch.bfloat16, []
@@ -68,7 +66,7 @@ def main() -> None:
             return cold_ms_per_call(fn, weights)
 
         cublas = bench(lambda w: F.linear(x, w), dense)
-        chosen = linear_tiles(T, N, K) if fmt is None else quant_tiles(N, K, kernel_weight("tune_linear", ws[0]).format)
+        chosen = linear_tiles(T, N, K) if fmt is None else quant_tiles(N, K)
         chosen_ms = bench(lambda w: decode_linear(x, w))  # what the engine runs: the kernel, or cuBLAS where None
         ref = F.linear(x, ws[0] if fmt is None else ws[0].dequantize(dt))
         err = (skinny_linear(x, ws[0]).float() - ref.float()).abs().max().item()

@@ -1,14 +1,14 @@
 """Launch-configuration sweep of the decode MoE kernels on the 35B expert shape (H200 tuning input).
 
 Times, from CUDA graphs, the two weight-reading launches of ``moe_gemv`` for each (BLOCK_N,
-BLOCK_K, num_warps, num_stages[, MMA]) of a per-kernel grid:
+BLOCK_K, num_warps, num_stages) of a per-kernel grid:
 
 - ``swiglu_routed_shared``: ``swiglu_gemv_with_shared``, T tokens x top-8 of 256 routed experts
   plus the shared expert's T rows in one launch;
 - ``down_combine_shared``: ``down_combine`` of the top-8 experts' down projections (the experts
   loaded as one [top_k, BLOCK_N, BLOCK_K] tile per K step) plus the shared expert's, gated;
 - ``down_pairs``: ``down_combine`` without a shared expert (past ``MAX_FUSED_TOP_K`` experts a token:
-  the pair-wise GEMV's tile, then the combine; up to it the fused kernel, which has no MMA tile);
+  the pair-wise GEMV's tile, then the combine);
 - ``relu2_up``: ``relu2_gemv``, the ungated up projection of Nemotron-H's experts (T x top-k pairs).
 
 Other expert shapes take ``--experts / --hidden / --inter / --top-k`` (Nemotron-3-Super's latent
@@ -41,17 +41,16 @@ GRIDS = {
     "down_pairs": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (2, 3, 4))),
 }
 # quantized experts (--quantize): fewer stages / warps, K steps the format allows (FP8: within a
-# 128-input scale block); the pair-wise GEMVs also with the weight as the dot's first operand (MMA)
-_MMA = list(itertools.product((64, 128, 256), (64, 128), (4, 8), (3,), (True,)))
+# 128-input scale block)
 QUANT_GRIDS = {
-    "nvfp4": {"swiglu_routed_shared": list(itertools.product((8, 16), (128, 256, 512), (4, 8), (3,))) + _MMA,
+    "nvfp4": {"swiglu_routed_shared": list(itertools.product((8, 16), (128, 256, 512), (4, 8), (3,))),
               "down_combine_shared": list(itertools.product((2, 4, 8, 16), (64, 128, 256), (4, 8), (2,))),
-              "relu2_up": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (3,))) + _MMA,
-              "down_pairs": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (3,))) + _MMA},
-    "fp8": {"swiglu_routed_shared": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,))) + _MMA,
+              "relu2_up": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (3,))),
+              "down_pairs": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (3,)))},
+    "fp8": {"swiglu_routed_shared": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,))),
             "down_combine_shared": list(itertools.product((4, 8, 16), (64, 128), (4, 8), (2,))),
-            "relu2_up": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,))) + _MMA,
-            "down_pairs": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,))) + _MMA},
+            "relu2_up": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,))),
+            "down_pairs": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,)))},
 }
 
 
@@ -80,8 +79,8 @@ def sweep(name: str, fn: Callable[..., torch.Tensor], layers: int, nbytes: int, 
         return cold_ms_per_call(lambda layer: fn(layer, **cfg), range(layers))
 
     results = []
-    for c in grid:
-        cfg = dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "MMA"), c))
+    for bn, bk, nw, ns in grid:
+        cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
         try:
             results.append({**cfg, "ms": per_launch(**cfg)})
         except Exception as e:  # resources exceeded for this tile: not a candidate

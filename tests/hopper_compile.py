@@ -28,25 +28,24 @@ def _ints(*names: str) -> dict[str, str]:
 def cases() -> dict[str, tuple]:
     """name -> (``module:kernel``, argument types by name, constexprs[, launch options])."""
     out = {}
-    for (fmt, cvt), splits, mma in itertools.product(CVT, (1, 4), (False, True)):
+    for (fmt, cvt), splits in itertools.product(CVT, (1, 4)):
         code, w, s = QUANT_FORMATS[fmt]
-        out[f"skinny_linear-{fmt}-cvt{int(cvt)}-splits{splits}{'-mma' if mma else ''}"] = (
+        out[f"skinny_linear-{fmt}-cvt{int(cvt)}-splits{splits}"] = (
             "wmtp.kernels.linear:_skinny_linear_kernel",
-            {"X": "*bf16", "W": "*i32" if mma and code == 1 else w, "S": s, "R": "*fp32", "BIAS": "*bf16", "OUT": "*bf16", "PART": "*fp32",
+            {"X": "*bf16", "W": w, "S": s, "R": "*fp32", "BIAS": "*bf16", "OUT": "*bf16", "PART": "*fp32",
              "COUNT": "*i32", **_ints("T", "N", "K", "stride_xt", "stride_wn", "stride_sn", "stride_ot", "K_SPLIT")},
-            dict(FORMAT=code, HAS_BIAS=True, SPLITS=splits, WIDEN=False, PREC="tf32", T_P=16, BLOCK_N=128 if mma else 64,
-                 BLOCK_K=128, CVT=cvt, MMA=mma, PDL=True), {"num_warps": 8 if mma and code == 2 else 4})
-    for (fmt, cvt), act, mma in itertools.product(CVT, ("swiglu", "relu2", "linear"), (False, True)):
+            dict(FORMAT=code, HAS_BIAS=True, SPLITS=splits, WIDEN=False, PREC="tf32", T_P=16, BLOCK_N=64, BLOCK_K=128,
+                 CVT=cvt, PDL=True))
+    for (fmt, cvt), act in itertools.product(CVT, ("swiglu", "relu2", "linear")):
         code, w, s = QUANT_FORMATS[fmt]
-        w = "*i32" if mma and code == 1 else w
-        out[f"pair_gemv-{fmt}-cvt{int(cvt)}-{act}{'-mma' if mma else ''}"] = (
+        out[f"pair_gemv-{fmt}-cvt{int(cvt)}-{act}"] = (
             "wmtp.kernels.moe:_swiglu_gemv_kernel",
             {"X": "*bf16", "WG": w, "WU": w, "CG": s, "CU": s, "RG": "*fp32", "RU": "*fp32", "IDX": "*i64", "SG": w,
              "SU": w, "SCG": s, "SCU": s, "SRG": "*fp32", "SRU": "*fp32", "OUT": "*bf16",
              **_ints("P", "N", "NS", "K", "stride_we", "stride_wn", "stride_ce", "stride_cn", "stride_re", "stride_sn",
                      "stride_scn")},
-            dict(TOP_K=8, FORMAT=code, ACT=("swiglu", "relu2", "linear").index(act), BLOCK_N=128 if mma else 16,
-                 BLOCK_K=128, CVT=cvt, MMA=mma, PREC="tf32", PDL=True))
+            dict(TOP_K=8, FORMAT=code, ACT=("swiglu", "relu2", "linear").index(act), BLOCK_N=16, BLOCK_K=128, CVT=cvt,
+                 PDL=True))
     for (fmt, cvt), shared in itertools.product(CVT, (False, True)):
         code, w, s = QUANT_FORMATS[fmt]
         out[f"down_combine-{fmt}-cvt{int(cvt)}-shared{int(shared)}"] = (

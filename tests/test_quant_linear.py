@@ -1,7 +1,7 @@
 """The skinny linear kernel over quantized weights (``wmtp.kernels.linear``, ``quant_tiles``) against
 its twin ``F.linear(x, w.dequantize(x.dtype))``, for NVFP4 and block FP8: rows 1..64, N and K not
 multiples of the tiles, split K, packed projections whose parts keep their own scales, bias, the
-weight as either operand of the dot, the dequantizing path above the kernel's rows, bad input."""
+dequantizing path above the kernel's rows, bad input."""
 
 from __future__ import annotations
 
@@ -46,9 +46,6 @@ def test_quant_linear_matches_the_twin(fmt, rows, dtype):
     assert _close(skinny_linear(x, w, tiles=LinearTiles(16, 32, 1, 4)), want)
     assert _close(skinny_linear(x, w, b, tiles=LinearTiles(32, 64, 1, 4)), F.linear(x, w.dequantize(dtype), b))
     assert _close(skinny_linear(x, w, b, tiles=LinearTiles(16, 32, 3, 4)), F.linear(x, w.dequantize(dtype), b))  # split K
-    # the weight as the dot's first operand: x far past fp16's range, scaled per row and split (each split its own scale)
-    assert _close(skinny_linear(x * 1e6, w, b, tiles=LinearTiles(64, 64, 2, 4, mma=True)),
-                  F.linear(x * 1e6, w.dequantize(dtype), b))
     assert _close(decode_linear(x, w.rows(slice(40, 63))), F.linear(x, w.rows(slice(40, 63)).dequantize(dtype)))
 
 
@@ -66,9 +63,6 @@ def test_quant_linear_bad_input_names_the_problem():
         skinny_linear(torch.zeros(QUANT_MAX_ROWS + 1, 32, device=DEVICE), w)
     with pytest.raises(ValueError, match="block_k 24 must be a power of 2"):
         skinny_linear(torch.zeros(2, 32, device=DEVICE), w, tiles=LinearTiles(16, 24, 1, 4))
-    with pytest.raises(ValueError, match="mma tiles take quantized weights"):
-        skinny_linear(torch.zeros(2, 32, device=DEVICE), torch.zeros(8, 32, device=DEVICE),
-                      tiles=LinearTiles(16, 32, 1, 4, mma=True))
     with pytest.raises(ValueError, match="FP8 block_k 48 must divide"):
         skinny_linear(torch.zeros(2, 32, device=DEVICE), _weight(FP8Block(), [8], 32, seed=0),
                       tiles=LinearTiles(16, 48, 1, 4))

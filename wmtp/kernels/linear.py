@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from wmtp.kernels.common import arrival_counters, launch_tile, pdl
-from wmtp.kernels.quant_tiles import FP8_CODE, NVFP4_CODE, dequantize, e2m1_cvt, kernel_weight, mma_words, quant_mma
+from wmtp.kernels.quant_tiles import FP8_CODE, NVFP4_CODE, dequantize, e2m1_cvt, kernel_weight
 from wmtp.quant import QuantWeight
 
 try:
@@ -40,38 +40,28 @@ QUANT_MAX_ROWS = 64
 
 class LinearTiles(NamedTuple):
     """Launch configuration: column block, K step, K splits (programs per column block), warps,
-    software-pipeline stages, and for quantized weights whether the weight tile is the dot's first
-    operand (``quant_tiles.weight_tile_mma``) rather than its second (``weight_tile_dot``)."""
+    software-pipeline stages."""
 
     block_n: int
     block_k: int
     splits: int
     num_warps: int
     num_stages: int = 3  # Triton's default on NVIDIA GPUs
-    mma: bool = False
 
 
 if triton is not None:
     from wmtp.kernels.common import last_to_arrive, wait_prior
-    from wmtp.kernels.quant_tiles import row_scale, weight_tile_dot, weight_tile_mma, x_pow2
+    from wmtp.kernels.quant_tiles import row_scale, weight_tile_dot
 
     @triton.jit
     def split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, k_lo, K_SPLIT, K,
                   FORMAT: tl.constexpr, WIDEN: tl.constexpr, PREC: tl.constexpr, BLOCK_K: tl.constexpr,
-                  CVT: tl.constexpr, MMA: tl.constexpr):
+                  CVT: tl.constexpr):
         """fp32 ``X[ts] @ W[cols].T`` over this program's K split ``[k_lo, k_lo + K_SPLIT)``, one dot
-        per K step (``weight_tile_dot``, any weight format; with MMA ``weight_tile_mma``, quantized
-        formats): a [len(ts), len(cols)] tile (rows and columns past ``t_ok`` / ``col_ok`` are 0)."""
-        k_hi = tl.minimum(k_lo + K_SPLIT, K)
-        if MMA:
-            xs = x_pow2(X, stride_xt, ts, t_ok, k_lo, k_hi, BLOCK_K)
-            acc = tl.zeros([cols.shape[0], ts.shape[0]], tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                acc = weight_tile_mma(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, xs, cols, col_ok, k0, K,
-                                      acc, FORMAT, PREC, BLOCK_K, CVT)
-            return tl.trans(acc / xs[None, :] * (4.0 if FORMAT == 1 else 1.0))  # the x and weight scalings undone
+        per K step (``weight_tile_dot``, any weight format): a [len(ts), len(cols)] tile (rows and
+        columns past ``t_ok`` / ``col_ok`` are 0)."""
         acc = tl.zeros([ts.shape[0], cols.shape[0]], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
             acc = weight_tile_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, k0, K, acc,
                                   FORMAT, WIDEN, PREC, BLOCK_K, CVT)
         return acc
@@ -80,7 +70,7 @@ if triton is not None:
     def _skinny_linear_kernel(X, W, S, R, BIAS, OUT, PART, COUNT, T, N, K, stride_xt, stride_wn, stride_sn, stride_ot,
                               K_SPLIT, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
                               WIDEN: tl.constexpr, PREC: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, CVT: tl.constexpr, MMA: tl.constexpr, PDL: tl.constexpr):
+                              BLOCK_K: tl.constexpr, CVT: tl.constexpr, PDL: tl.constexpr):
         wait_prior(PDL)
         nb = tl.program_id(0)
         s = tl.program_id(1)
@@ -89,7 +79,7 @@ if triton is not None:
         ts = tl.arange(0, T_P)
         t_ok = ts < T
         acc = split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, s * K_SPLIT, K_SPLIT, K,
-                        FORMAT, WIDEN, PREC, BLOCK_K, CVT, MMA)
+                        FORMAT, WIDEN, PREC, BLOCK_K, CVT)
         out_ptr = OUT + ts[:, None] * stride_ot + cols[None, :]
         out_ok = t_ok[:, None] & col_ok[None, :]
         if SPLITS == 1:
@@ -132,23 +122,16 @@ def linear_tiles(rows: int, n: int, k: int) -> LinearTiles | None:
     return LinearTiles(32, 256, 4 if k >= 4096 else 1, 4)
 
 
-def quant_tiles(n: int, k: int, fmt: int = NVFP4_CODE, mma: bool | None = None) -> LinearTiles:
-    """Tiles for a quantized [n, k] weight in kernel format ``fmt`` (no cuBLAS alternative short of
-    dequantizing it): K steps of 128 inputs and as many K splits (8, 4, 2) as keep the launch within
-    1200 programs. The weight as the dot's second operand (the default): 64-wide column blocks (32 up
-    to 1024 outputs), best on the H200 for NVFP4 at 1 row of the sweep (tune_linear.py --quantize):
-    12.4 us for 2048 x 4096, 21.3 for 9216 x 2048, 24.8 for 12352 x 2048 (4 splits), 4.7 for 512 x
-    2048, against 17.6 / 38.7 / 38.4 / 4.7 at 32 x 256 tiles. With ``mma`` (default: the environment's
-    ``WMTP_QUANT_MMA=1``) the weight is the first operand (``quant_tiles.weight_tile_mma``): 128-wide
-    blocks, 4 warps for NVFP4 and 8 for FP8, the sm_90 builds without register spills; its Hopper
-    SASS has 9.8 (NVFP4) and 3.3 (FP8) instructions a weight byte in the K loop against 18.8 and 4.9
-    (``benchmarks/sass_loop.py``), not yet timed on a GPU."""
-    mma = quant_mma() if mma is None else mma
-    block_n = 128 if mma else 32 if n <= 1024 else 64
+def quant_tiles(n: int, k: int) -> LinearTiles:
+    """Tiles for a quantized [n, k] weight (no cuBLAS alternative short of dequantizing it): K steps
+    of 128 inputs, 64-wide column blocks (32 up to 1024 outputs) and as many K splits (8, 4, 2) as
+    keep the launch within 1200 programs. Best on the H200 for NVFP4 at 1 row of the sweep
+    (tune_linear.py --quantize): 12.4 us for 2048 x 4096, 21.3 for 9216 x 2048, 24.8 for 12352 x
+    2048 (4 splits), 4.7 for 512 x 2048, against 17.6 / 38.7 / 38.4 / 4.7 at 32 x 256 tiles."""
+    block_n = 32 if n <= 1024 else 64
     blocks = -(-n // block_n)
     splits = next(s for s in (8, 4, 2, 1) if s == 1 or blocks * s <= 1200)
-    warps = 8 if mma and fmt == FP8_CODE else 4
-    return LinearTiles(block_n, 128, max(1, min(splits, k // 128)), warps, 3, mma)
+    return LinearTiles(block_n, 128, max(1, min(splits, k // 128)), 4)
 
 
 def dot_flags(dtype: torch.dtype) -> dict[str, object]:
@@ -186,15 +169,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
     falls back to a single 16 x 128 program per K split where it would choose cuBLAS)."""
     K = x.shape[-1]
     quant = isinstance(weight, QuantWeight)
-    kind = weight.format.name if quant else weight.dtype
     if len(weight.shape) != 2 or weight.shape[1] != K or not quant and (weight.stride(1) != 1 or not _takes(x, weight)):
+        kind = weight.format.name if quant else weight.dtype
         raise ValueError(f"skinny_linear: weight {tuple(weight.shape)} {kind} must be [N, {K}] {'' if quant else x.dtype} "
                          f"with unit stride on K (x {tuple(x.shape)})")
     kw = kernel_weight("skinny_linear", weight)
     x2, out = skinny_rows("skinny_linear", x, weight.shape[0], bias, QUANT_MAX_ROWS if quant else MAX_ROWS)
     T, N = out.shape
     if T and N:
-        default = quant_tiles(N, K, kw.format) if quant else linear_tiles(T, N, K) or LinearTiles(16, 128, 1, 4)
+        default = quant_tiles(N, K) if quant else linear_tiles(T, N, K) or LinearTiles(16, 128, 1, 4)
         cfg = tiles or default
         if tiles is None:  # (one K split when a whole-K step covers K)
             cfg = cfg._replace(block_n=launch_tile(cfg.block_n, N), block_k=launch_tile(cfg.block_k, K, 128 if quant else 1024))
@@ -203,10 +186,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
             raise ValueError(f"skinny_linear: NVFP4 block_k {bk} must be a power of 2 >= 16")
         if kw.format == FP8_CODE and (128 % bk or bk < 16):
             raise ValueError(f"skinny_linear: FP8 block_k {bk} must divide the 128-input scale blocks")
-        if cfg.mma and (not quant or cfg.block_n < 16 or bk < 32):
-            raise ValueError(f"skinny_linear: mma tiles take quantized weights, block_n >= 16 and block_k >= 32 "
-                             f"(got {kind} weight, block_n {cfg.block_n}, block_k {bk})")
-        w_arg = mma_words(kw).weight if cfg.mma else kw.weight
         k_split = triton.cdiv(triton.cdiv(K, cfg.splits), bk) * bk  # a multiple of the K step
         splits = triton.cdiv(K, k_split)
         blocks = triton.cdiv(N, cfg.block_n)
@@ -216,11 +195,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
             xs, outs, t = x2[lo:lo + MAX_ROWS], out[lo:lo + MAX_ROWS], min(MAX_ROWS, T - lo)
             part = torch.empty(splits, t, N, device=x.device, dtype=torch.float32) if splits > 1 else outs
             _skinny_linear_kernel[(blocks, splits)](
-                xs, w_arg, kw.scale, kw.rows, outs if bias is None else bias, outs, part,
-                arrival_counters(x.device, blocks), t, N, K, xs.stride(0), w_arg.stride(0), kw.scale.stride(0),
+                xs, kw.weight, kw.scale, kw.rows, outs if bias is None else bias, outs, part,
+                arrival_counters(x.device, blocks), t, N, K, xs.stride(0), kw.weight.stride(0), kw.scale.stride(0),
                 outs.stride(0), k_split, FORMAT=kw.format, HAS_BIAS=bias is not None, SPLITS=splits, T_P=MAX_ROWS,
                 BLOCK_N=cfg.block_n, BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                MMA=cfg.mma, **dot_flags(x.dtype), **e2m1_cvt(x.device), **pdl(x.device))
+                **dot_flags(x.dtype), **e2m1_cvt(x.device), **pdl(x.device))
     return out.view(*x.shape[:-1], N)
 
 

@@ -32,9 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from wmtp.kernels.common import SharedExpert, SigmoidRouting, launch_tile, pdl
-from wmtp.kernels.linear import decode_linear, dot_flags
-from wmtp.kernels.quant_tiles import (FLOAT, FP8_CODE, NVFP4_CODE, KernelWeight, e2m1_cvt, kernel_weight, mma_words, quant_mma,
-                                     same_layout)
+from wmtp.kernels.linear import decode_linear
+from wmtp.kernels.quant_tiles import FLOAT, FP8_CODE, NVFP4_CODE, KernelWeight, e2m1_cvt, kernel_weight, same_layout
 from wmtp.quant import QuantWeight, dense
 
 try:
@@ -60,23 +59,7 @@ MAX_FUSED_TOP_K = 8
 
 if triton is not None:
     from wmtp.kernels.common import wait_prior
-    from wmtp.kernels.quant_tiles import row_scale, weight_dot, weight_tile_mma, x_pow2, x_step
-
-    @triton.jit
-    def _gemv_mma(X, W, C, stride_n, stride_c, rows, row_ok, K, FORMAT: tl.constexpr, PREC: tl.constexpr,
-                  BLOCK_K: tl.constexpr, CVT: tl.constexpr):
-        """fp32 ``W[rows] @ X[:K]`` (group scales applied, not NVFP4's second level) by
-        ``weight_tile_mma``: x one column of the dot's 16 (the rest masked to 0), the weight tile its
-        first operand, dequantized where it is loaded."""
-        ts = tl.arange(0, 16)
-        t_ok = ts < 1
-        xs = x_pow2(X, 0, ts, t_ok, 0, K, BLOCK_K)
-        acc = tl.zeros([rows.shape[0], 16], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            acc = weight_tile_mma(X, W, C, 0, stride_n, stride_c, ts, t_ok, xs, rows, row_ok, k0, K, acc, FORMAT, PREC,
-                                  BLOCK_K, CVT)
-        col = tl.sum(tl.where(t_ok[None, :], acc, 0.0), 1)
-        return col / tl.sum(tl.where(t_ok, xs, 0.0), 0) * (4.0 if FORMAT == 1 else 1.0)  # x_pow2's and e2m1_word's
+    from wmtp.kernels.quant_tiles import row_scale, weight_dot, x_step
 
     @triton.jit
     def _route_topk_kernel(LOGITS, W_OUT, I_OUT, X, SG, SG_OUT, BIAS, E, HID, scale, TOP_K: tl.constexpr,
@@ -131,13 +114,11 @@ if triton is not None:
     def _swiglu_gemv_kernel(X, WG, WU, CG, CU, RG, RU, IDX, SG, SU, SCG, SCU, SRG, SRU, OUT, P, N, NS, K,
                             stride_we, stride_wn, stride_ce, stride_cn, stride_re, stride_sn, stride_scn,
                             TOP_K: tl.constexpr, FORMAT: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, CVT: tl.constexpr, MMA: tl.constexpr, PREC: tl.constexpr,
-                            PDL: tl.constexpr):
+                            BLOCK_K: tl.constexpr, CVT: tl.constexpr, PDL: tl.constexpr):
         """Weights in FORMAT (``quant_tiles``): routed gate / up W*, their group scales C*, per-row
         scales R* (leading expert strides *_e); the shared expert's S*, SC*, SR*. ACT ``SWIGLU``:
         ``silu(gate x) * (up x)``; ``RELU2``: ``relu(up x)^2``; ``LINEAR``: ``up x`` (the gate
-        arguments unread but by SwiGLU). MMA (quantized formats): each weight tile by ``_gemv_mma``
-        (NVFP4's W* then its bytes as int32 words, strides in words), else by ``weight_dot``."""
+        arguments unread but by SwiGLU)."""
         wait_prior(PDL)
         GATED: tl.constexpr = ACT == 0
         p = tl.program_id(0)
@@ -160,17 +141,12 @@ if triton is not None:
         row_ok = rows < n  # the grid spans max(N, NS) rows: the narrower kind masks the rest
         x_off = tok * K
         g = tl.zeros([BLOCK_N], tl.float32)
-        if MMA:
+        u = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xs = x_step(X, x_off, k0, K, FORMAT, BLOCK_K)  # once for gate and up
             if GATED:
-                g = _gemv_mma(X + x_off, wg, cg, stride_n, stride_c, rows, row_ok, K, FORMAT, PREC, BLOCK_K, CVT)
-            u = _gemv_mma(X + x_off, wu, cu, stride_n, stride_c, rows, row_ok, K, FORMAT, PREC, BLOCK_K, CVT)
-        else:
-            u = tl.zeros([BLOCK_N], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                xs = x_step(X, x_off, k0, K, FORMAT, BLOCK_K)  # once for gate and up
-                if GATED:
-                    g += weight_dot(wg, cg, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K, CVT)
-                u += weight_dot(wu, cu, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K, CVT)
+                g += weight_dot(wg, cg, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K, CVT)
+            u += weight_dot(wu, cu, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K, CVT)
         dt = OUT.dtype.element_ty
         u = row_scale(u, tl.where(sh, SRU, RU + e * stride_re), rows, row_ok, FORMAT)
         u = u.to(dt).to(tl.float32)  # the reference rounds each projection to the activation dtype
@@ -304,8 +280,7 @@ def swiglu_gemv(x: torch.Tensor, w_gate: Weight, w_up: Weight, idx: torch.Tensor
     """``silu(w_gate[idx[p]] @ x[p // top_k]) * (w_up[idx[p]] @ x[p // top_k])`` for every pair p.
     x [T, K]; w_gate, w_up [E, N, K] in x's dtype or quantized (``wmtp.quant``), same format and
     strides (views of one packed tensor are fine); idx [T * top_k]. Returns [T * top_k, N] in x's
-    dtype. ``launch`` overrides BLOCK_N / BLOCK_K / num_warps / num_stages (``benchmarks/tune_moe.py``) and MMA
-    (quantized experts: the weight as the dot's first operand, ``quant_tiles.weight_tile_mma``)."""
+    dtype. ``launch`` overrides BLOCK_N / BLOCK_K / num_warps / num_stages (``benchmarks/tune_moe.py``)."""
     return _swiglu_launch("swiglu_gemv", x, w_gate, w_up, idx, top_k, None, launch)[0]
 
 
@@ -375,16 +350,8 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
         # ungated quantized (one weight tile a K step, fewer registers): 8 x 256 (4 warps) for a token's pairs,
         # 32 x 256 (4 warps) for a verify's: 28.5 / 185.2 us against 36.3 / 243.8 at the gated tiles for
         # Nemotron-3-Super's 22 experts of [2688, 1024] (tune_moe.py --quantize nvfp4 --top-k 22)
-        # with the weight as the dot's first operand (quant_mma, verify-sized launches: a token's few
-        # pairs at 128 rows a program would leave most of the GPU idle): 128 x 128 at 4 warps, whose sm_90
-        # SASS has 10.1 (NVFP4) / 2.7 (FP8) K-loop instructions a weight byte against 15.3 at 64 rows
-        # (its dequantized tile then goes through shared memory) and 14.6 / 5.1 at the default tiles
-        # (benchmarks/sass_loop.py); not yet timed on a GPU
         big = P + Ts >= 32
-        mma = launch.get("MMA", g.format != FLOAT and big and quant_mma())
-        if mma:
-            tile, warps = (128, 128), 4
-        elif g.format == FLOAT:
+        if g.format == FLOAT:
             tile, warps = (16, 128) if big else (8, 256), 8
         elif act != SWIGLU:
             tile, warps = (32, 256) if big else (8, 256), 4
@@ -393,19 +360,13 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
         else:
             tile, warps = ((16, 128), 4) if big else ((16, 256), 8)
         cfg = {"BLOCK_N": launch_tile(tile[0], max(N, Ns)), "BLOCK_K": _block_k(g, tile[1], K), "num_warps": warps,
-               **launch, "MMA": mma}
-        if mma:
-            if g.format == FLOAT or cfg["BLOCK_N"] < 16 or cfg["BLOCK_K"] < 32:
-                raise ValueError(f"{name}: mma tiles take quantized experts, BLOCK_N >= 16 and BLOCK_K >= 32 "
-                                 f"(got {'float' if g.format == FLOAT else 'quantized'} experts, BLOCK_N "
-                                 f"{cfg['BLOCK_N']}, BLOCK_K {cfg['BLOCK_K']})")
-            g, u, sg, su = map(mma_words, (g, u, sg, su))
+               **launch}
         we, wn, ce, cn = g.strides()
         _swiglu_gemv_kernel[(P + Ts, triton.cdiv(max(N, Ns), cfg["BLOCK_N"]))](
             x.contiguous(), g.weight, u.weight, g.scale, u.scale, g.rows, u.rows, idx.contiguous(),
             sg.weight, su.weight, sg.scale, su.scale, sg.rows, su.rows, buf, P, N, Ns, K,
             we, wn, ce, cn, g.rows_stride(), sg.weight.stride(-2), sg.scale.stride(-2), TOP_K=top_k, FORMAT=g.format,
-            ACT=act, PREC=dot_flags(x.dtype)["PREC"], **cfg, **e2m1_cvt(x.device), **pdl(x.device))
+            ACT=act, **cfg, **e2m1_cvt(x.device), **pdl(x.device))
     return buf[:P * N].view(P, N), None if shared is None else buf[P * N:].view(T, Ns)
 
 

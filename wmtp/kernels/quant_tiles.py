@@ -20,7 +20,6 @@ converts two at a time (``e2m1_pairs``), elsewhere into fp16 bits (``e2m1_values
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -92,58 +91,14 @@ def e2m1_cvt(device: torch.device) -> dict[str, bool]:
     return {"CVT": gpu_feature(device, (8, 9), "WMTP_E2M1_CVT")}
 
 
-def quant_mma() -> bool:
-    """Whether the quantized decode kernels' default tiles take the weight as the dot's first operand
-    (``weight_tile_mma``): with ``WMTP_QUANT_MMA=1`` only, until timed against ``weight_tile_dot`` /
-    ``weight_dot`` on a GPU (``benchmarks/ab_step.sh env``)."""
-    return os.environ.get("WMTP_QUANT_MMA") == "1"
-
-
-def mma_words(kw: KernelWeight) -> KernelWeight:
-    """``kw`` as ``weight_tile_mma`` reads it: NVFP4's packed bytes as int32 words (4 bytes, 8
-    inputs; K a multiple of 16 keeps every row and expert word-aligned), other formats as they are."""
-    return kw._replace(weight=kw.weight.view(torch.int32)) if kw.format == NVFP4_CODE else kw
-
-
 def same_layout(a: KernelWeight, b: KernelWeight) -> bool:
     """Whether one kernel argument set (format, dtypes, strides) can stand for both ``a`` and ``b``."""
     return (a.format == b.format and a.weight.dtype == b.weight.dtype and a.shape == b.shape
             and a.strides() == b.strides() and a.rows_stride() == b.rows_stride())
 
 
-# PTX shared by the e4m3-conversion decodes: the packed bytes in $B (4 bytes, 8 e2m1 values) ->
-# p0..p3 (f16x2: the low nibbles of bytes 0,1 and 2,3, then the high nibbles), each value / 64
-_E2M1_E4M3 = """
-.reg .b32 lo, hi, t, p<4>;
-.reg .b16 l<2>, h<2>;
-and.b32 lo, $B, 0x07070707;
-shl.b32 lo, lo, 2;
-and.b32 t, $B, 0x08080808;
-shl.b32 t, t, 4;
-or.b32 lo, lo, t;
-shr.u32 hi, $B, 2;
-and.b32 hi, hi, 0x1C1C1C1C;
-and.b32 t, $B, 0x80808080;
-or.b32 hi, hi, t;
-mov.b32 {l0, l1}, lo;
-mov.b32 {h0, h1}, hi;
-cvt.rn.f16x2.e4m3x2 p0, l0;
-cvt.rn.f16x2.e4m3x2 p1, l1;
-cvt.rn.f16x2.e4m3x2 p2, h0;
-cvt.rn.f16x2.e4m3x2 p3, h1;
-"""
-
 if triton is not None:
     from wmtp.kernels.common import wait_prior
-
-    # e2m1_pairs' PTX: _E2M1_E4M3's f16 pairs widened to fp32
-    _PAIRS_F32 = tl.constexpr("{\n.reg .b16 f<8>;\n" + _E2M1_E4M3.replace("$B", "$8") + "".join(
-        f"mov.b32 {{f{2 * i}, f{2 * i + 1}}}, p{i};\n" for i in range(4)) + "".join(
-        f"cvt.f32.f16 ${i}, f{i};\n" for i in range(8)) + "}")
-    # e2m1_word's PTX: the f16 pairs times the word's f16 scale ($9), out as 8 f16 values
-    _WORD_F16_SCALED = tl.constexpr("{\n.reg .b32 sc;\nmov.b32 sc, {$9, $9};\n" + _E2M1_E4M3.replace("$B", "$8") +
-                                    "".join(f"mul.rn.f16x2 p{i}, p{i}, sc;\nmov.b32 {{${2 * i}, ${2 * i + 1}}}, p{i};\n"
-                                            for i in range(4)) + "}")
 
     @triton.jit
     def _e2m1_f16(codes):
@@ -169,78 +124,43 @@ if triton is not None:
         integer and float ops a value for the fp16 bit placement, which bound the NVFP4 GEMVs."""
         if CVT:
             return tl.inline_asm_elementwise(
-                asm=_PAIRS_F32,
+                asm="""
+                {
+                .reg .b32 lo, hi, t, p<4>;
+                .reg .b16 l<2>, h<2>, f<8>;
+                and.b32 lo, $8, 0x07070707;
+                shl.b32 lo, lo, 2;
+                and.b32 t, $8, 0x08080808;
+                shl.b32 t, t, 4;
+                or.b32 lo, lo, t;
+                shr.u32 hi, $8, 2;
+                and.b32 hi, hi, 0x1C1C1C1C;
+                and.b32 t, $8, 0x80808080;
+                or.b32 hi, hi, t;
+                mov.b32 {l0, l1}, lo;
+                mov.b32 {h0, h1}, hi;
+                cvt.rn.f16x2.e4m3x2 p0, l0;
+                cvt.rn.f16x2.e4m3x2 p1, l1;
+                cvt.rn.f16x2.e4m3x2 p2, h0;
+                cvt.rn.f16x2.e4m3x2 p3, h1;
+                mov.b32 {f0, f1}, p0;
+                mov.b32 {f2, f3}, p1;
+                mov.b32 {f4, f5}, p2;
+                mov.b32 {f6, f7}, p3;
+                cvt.f32.f16 $0, f0;
+                cvt.f32.f16 $1, f1;
+                cvt.f32.f16 $2, f2;
+                cvt.f32.f16 $3, f3;
+                cvt.f32.f16 $4, f4;
+                cvt.f32.f16 $5, f5;
+                cvt.f32.f16 $6, f6;
+                cvt.f32.f16 $7, f7;
+                }
+                """,
                 constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
                 args=[b], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
         else:
             return _e2m1_f16(b & 15) * 256.0, _e2m1_f16(b >> 4) * 256.0
-
-    @triton.jit
-    def e2m1_word(w, sc, CVT: tl.constexpr, DTYPE: tl.constexpr):
-        """The 8 inputs of each packed int32 word of ``w`` [R, C] (4 bytes, 2 e2m1 values each), in
-        input order, times ``sc`` / 4 (``sc``: the words' group scales, w's shape) in DTYPE: [R, 8 C]. Exact: a value's 2 significant bits times an e4m3 scale's 4 fit fp16's 11,
-        and / 4 keeps the smallest product (2^-12) normal in fp16 and the largest (672) in range.
-        With CVT (``e2m1_pairs``' conversion) a word takes 4 ``cvt`` and 4 ``mul.rn.f16x2``."""
-        if CVT:
-            s16 = (sc.to(tl.float32) * 16.0).to(tl.float16)  # at most 7168: fp16 holds it
-            lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = tl.inline_asm_elementwise(
-                asm=_WORD_F16_SCALED, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h", args=[w, s16],
-                dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-        else:
-            s = sc.to(tl.float32) * 4096.0  # _e2m1_f16's 2^-14, and the / 4
-            lo0 = (_e2m1_f16(w & 15) * s).to(DTYPE)
-            hi0 = (_e2m1_f16((w >> 4) & 15) * s).to(DTYPE)
-            lo1 = (_e2m1_f16((w >> 8) & 15) * s).to(DTYPE)
-            hi1 = (_e2m1_f16((w >> 12) & 15) * s).to(DTYPE)
-            lo2 = (_e2m1_f16((w >> 16) & 15) * s).to(DTYPE)
-            hi2 = (_e2m1_f16((w >> 20) & 15) * s).to(DTYPE)
-            lo3 = (_e2m1_f16((w >> 24) & 15) * s).to(DTYPE)
-            hi3 = (_e2m1_f16((w >> 28) & 15) * s).to(DTYPE)
-        # byte i holds inputs 2i (low nibble) and 2i + 1; each join adds the fastest-varying dim, so the
-        # outermost picks lo / hi, the next byte 0 or 1 of a pair, the innermost the pair
-        v = tl.join(tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3)), tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3)))
-        return tl.reshape(v, (w.shape[0], w.shape[1] * 8))
-
-    @triton.jit
-    def x_pow2(X, stride_xt, ts, t_ok, k_lo, k_hi, BLOCK_K: tl.constexpr):
-        """Per row of ``X[ts, k_lo:k_hi]``, the power of 2 that takes its largest |x| into
-        [2^13, 2^14) (fp32, [len(ts)]): x times it converts to fp16 without overflow, and keeps
-        every element above 2^-27 of the row's largest a normal fp16 (all-zero rows: 1)."""
-        m = tl.zeros([ts.shape[0], BLOCK_K], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            xv = tl.load(X + ts[:, None] * stride_xt + ks[None, :], mask=t_ok[:, None] & (ks < k_hi)[None, :], other=0.0)
-            m = tl.maximum(m, tl.abs(xv.to(tl.float32)))
-        e = ((tl.max(m, 1).to(tl.int32, bitcast=True) >> 23) & 255) - 127  # the exponent of the largest
-        e = tl.where(e < -100, 0, e)
-        return ((127 + 13 - e) << 23).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def weight_tile_mma(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, xs, cols, col_ok, k0, K, acc,
-                        FORMAT: tl.constexpr, PREC: tl.constexpr, BLOCK_K: tl.constexpr, CVT: tl.constexpr):
-        """``weight_tile_dot`` with the operands swapped, for NVFP4 and FP8: ``acc [len(cols), len(ts)] + weight[cols,
-        k0:k0+BLOCK_K] @ (X[ts, k0:k0+BLOCK_K] * xs[ts]).T``. The dequantized weight tile is the
-        dot's first operand, which Hopper's wgmma reads from registers (64 and more columns at 4
-        warps), so it is dequantized where it is loaded and the x tile goes to shared memory once for
-        the program rather than once a warp. 16-bit x runs in fp16 (``xs`` from ``x_pow2``, so no
-        row overflows), fp32 x in fp32: the weight values are exact in either (``e2m1_word``;
-        e4m3 in fp16). NVFP4's W is its bytes viewed as int32 words (stride_wn in words). The caller
-        divides by ``xs`` (and for NVFP4 multiplies by 4: ``e2m1_word``)."""
-        DT: tl.constexpr = tl.float32 if X.dtype.element_ty == tl.float32 else tl.float16
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        xv = tl.load(X + ts[None, :] * stride_xt + ks[:, None], mask=t_ok[None, :] & k_ok[:, None], other=0.0)
-        xv = (xv.to(tl.float32) * xs[None, :]).to(DT)
-        if FORMAT == 1:  # W: the packed bytes as int32 words, stride_wn in words
-            j = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            j_ok = col_ok[:, None] & (j < K // 8)[None, :]
-            wd = tl.load(W + cols[:, None] * stride_wn + j[None, :], mask=j_ok, other=0)
-            sc = tl.load(S + cols[:, None] * stride_sn + (j // 2)[None, :], mask=j_ok, other=0.0)
-            return tl.dot(e2m1_word(wd, sc, CVT, DT), xv, acc, input_precision=PREC)
-        else:
-            wv = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            part = tl.dot(wv.to(DT), xv, input_precision=PREC)
-            return acc + part * tl.load(S + cols * stride_sn + k0 // 128, mask=col_ok, other=0.0)[:, None]
 
     @triton.jit
     def x_step(X, x_off, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
