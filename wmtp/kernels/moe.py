@@ -345,8 +345,10 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
     if P + Ts:
         # 8 warps; 8 x 256 tiles for a token's 8 pairs, 16 x 128 for a verify's 56: best on the H200
         # for the 35B shape with the shared rows folded in (9.8 / 52.7 us; benchmarks/tune_moe.py)
-        # quantized: 16 x 256 (8 warps) for a token, 16 x 128 (4 warps) for a verify's, best on the
-        # H200 for NVFP4 (19.6 / 77.8 us against 19.6 / 133.0 at the bf16 tiles; tune_moe.py --quantize)
+        # NVFP4: 8 x 512, 8 warps for a token, 4 for a verify's, best on an H100 for the 35B shape
+        # (11.3 / 51.8 us against 19.2 / 69.0 at FP8's tiles; h100/tuning/tune_moe_nvfp4.json)
+        # FP8: 16 x 256 (8 warps) for a token, 16 x 128 (4 warps) for a verify's (the K step stays
+        # within a 128-input scale block)
         # ungated quantized (one weight tile a K step, fewer registers): 8 x 256 (4 warps) for a token's pairs,
         # 32 x 256 (4 warps) for a verify's: 28.5 / 185.2 us against 36.3 / 243.8 at the gated tiles for
         # Nemotron-3-Super's 22 experts of [2688, 1024] (tune_moe.py --quantize nvfp4 --top-k 22)
@@ -403,8 +405,9 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
         # the [top_k, BLOCK_N, BLOCK_K] weight tile is held in registers: 8 x 8 x 128 at 8 warps is 32
         # values a thread for top_k 8; best on the H200 at 1 and 7 tokens (5.1 / 31.0 us, vs 9.2 / 40.2
         # at 4 warps; benchmarks/tune_moe.py)
-        # quantized: 4 x 256 (8 warps at 1 token, 4 at 7): 12.7 / 63.3 us against 28.7 / 179.4 at
-        # the bf16 tiles for NVFP4 (tune_moe.py --quantize)
+        # NVFP4: 16 x 256 at 1 token, 32 x 256 at 7, 8 warps: 6.7 / 33.3 us against 9.1 / 44.5 at
+        # FP8's tiles on an H100 (h100/tuning/tune_moe_nvfp4.json, without the shared term);
+        # FP8: 4 x 256 (8 warps at 1 token, 4 at 7)
         if d.format == FLOAT:
             tile, warps = (8, 128), 8
         elif d.format == NVFP4_CODE:
