@@ -193,9 +193,11 @@ def parse(model: type[BaseRequest], body: bytes) -> BaseRequest:
 
 def validation_error(e: ValidationError) -> APIError:
     """One 400 for a pydantic error: the most specific failure (the deepest location, which for a
-    union such as ``prompt: str | list[int]`` is the branch that got furthest) names the field."""
+    union such as ``prompt: str | list[int]`` is the branch that got furthest; among the deepest, a
+    wrong value before a missing or unknown field, whatever order pydantic lists them in) names the
+    field."""
     errors = e.errors(include_url=False)
-    err = max(errors, key=lambda x: len(x["loc"]))
+    err = max(errors, key=lambda x: (len(x["loc"]), x["type"] not in ("missing", "extra_forbidden")))
     param = _dotted(err["loc"])
     kind, msg = err["type"], err["msg"].removeprefix("Value error, ")
     if kind == "json_invalid":
