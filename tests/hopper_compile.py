@@ -36,25 +36,34 @@ def cases() -> dict[str, tuple]:
              "COUNT": "*i32", **_ints("T", "N", "K", "stride_xt", "stride_wn", "stride_sn", "stride_ot", "K_SPLIT")},
             dict(FORMAT=code, HAS_BIAS=True, SPLITS=splits, WIDEN=False, PREC="tf32", T_P=16, BLOCK_N=64, BLOCK_K=128,
                  CVT=cvt, PDL=True))
-    for (fmt, cvt), act in itertools.product(CVT, ("swiglu", "relu2", "linear")):
+    from wmtp.kernels.moe import down_combine_tiles, pair_tiles
+
+    def k_step(code: int, bk: int) -> int:  # moe._block_k: FP8's K step within its 128-input scale block
+        return min(bk, 128) if code == 2 else bk
+
+    # the MoE kernels at the tiles the engine launches them with (a token's, a verify's)
+    for (fmt, cvt), act, big in itertools.product(CVT, ("swiglu", "relu2", "linear"), (False, True)):
         code, w, s = QUANT_FORMATS[fmt]
-        out[f"pair_gemv-{fmt}-cvt{int(cvt)}-{act}"] = (
+        (bn, bk), warps = pair_tiles(code, ("swiglu", "relu2", "linear").index(act), big)
+        out[f"pair_gemv-{fmt}-cvt{int(cvt)}-{act}-{'verify' if big else 'token'}"] = (
             "wmtp.kernels.moe:_swiglu_gemv_kernel",
             {"X": "*bf16", "WG": w, "WU": w, "CG": s, "CU": s, "RG": "*fp32", "RU": "*fp32", "IDX": "*i64", "SG": w,
              "SU": w, "SCG": s, "SCU": s, "SRG": "*fp32", "SRU": "*fp32", "OUT": "*bf16",
              **_ints("P", "N", "NS", "K", "stride_we", "stride_wn", "stride_ce", "stride_cn", "stride_re", "stride_sn",
                      "stride_scn")},
-            dict(TOP_K=8, FORMAT=code, ACT=("swiglu", "relu2", "linear").index(act), BLOCK_N=16, BLOCK_K=128, CVT=cvt,
-                 PDL=True))
-    for (fmt, cvt), shared in itertools.product(CVT, (False, True)):
+            dict(TOP_K=8, FORMAT=code, ACT=("swiglu", "relu2", "linear").index(act), BLOCK_N=bn, BLOCK_K=k_step(code, bk),
+                 CVT=cvt, PDL=True), {"num_warps": warps})
+    for (fmt, cvt), shared, tokens in itertools.product(CVT, (False, True), (1, 7)):
         code, w, s = QUANT_FORMATS[fmt]
-        out[f"down_combine-{fmt}-cvt{int(cvt)}-shared{int(shared)}"] = (
+        (bn, bk), warps = down_combine_tiles(code, tokens, 8)
+        out[f"down_combine-{fmt}-cvt{int(cvt)}-shared{int(shared)}-tokens{tokens}"] = (
             "wmtp.kernels.moe:_down_combine_kernel",
             {"H": "*bf16", "W": w, "C": s, "R": "*fp32", "IDX": "*i64", "TW": "*fp32", "HS": "*bf16", "WS": w, "CS": s,
              "RS": "*fp32", "SL": "*fp32", "OUT": "*bf16",
              **_ints("N", "K", "KS", "stride_we", "stride_wn", "stride_ce", "stride_cn", "stride_re", "stride_ws",
                      "stride_cs")},
-            dict(TOP_K=8, TOP_K_P=8, SHARED=shared, FORMAT=code, BLOCK_N=4, BLOCK_K=256, CVT=cvt, PDL=True))
+            dict(TOP_K=8, TOP_K_P=8, SHARED=shared, FORMAT=code, BLOCK_N=bn, BLOCK_K=k_step(code, bk), CVT=cvt, PDL=True),
+            {"num_warps": warps})
     # the paged attention kernel at the launch configurations paged_attention picks (module docstring
     # there): compiled, spills allowed (its [64, 256] fp32 accumulator spills at 4 warps and still
     # reads keys at the bandwidth floor)

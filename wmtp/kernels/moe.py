@@ -270,6 +270,42 @@ def _experts(name: str, x: torch.Tensor, w: Weight, k_dim: int) -> KernelWeight:
     return kernel_weight(name, w)
 
 
+def pair_tiles(fmt: int, act: int, big: bool) -> tuple[tuple[int, int], int]:
+    """The pair-wise GEMV's default ((BLOCK_N, BLOCK_K), num_warps) for weights of kernel format
+    ``fmt`` (``quant_tiles``), activation ``act`` and ``big`` (32 or more rows of pairs: a verify's)
+    before ``_block_k`` caps FP8's K step at its 128-input scale block."""
+    if fmt == FLOAT:
+        # 8 x 256 for a token's 8 pairs, 16 x 128 for a verify's 56: best on the H200 for the 35B
+        # shape with the shared rows folded in (9.8 / 52.7 us; benchmarks/tune_moe.py)
+        return ((16, 128) if big else (8, 256)), 8
+    if act != SWIGLU:
+        # ungated quantized (one weight tile a K step, fewer registers): 28.5 / 185.2 us against 36.3 /
+        # 243.8 at the gated tiles for Nemotron-3-Super's 22 experts of [2688, 1024] on the H200
+        # (tune_moe.py --quantize nvfp4 --top-k 22)
+        return ((32, 256) if big else (8, 256)), 4
+    if fmt == NVFP4_CODE:
+        # best on an H100 for the 35B shape: 11.3 / 51.8 us at 1 / 7 tokens against 19.2 / 69.0 at
+        # FP8's tiles (h100/tuning/tune_moe_nvfp4.json)
+        return (8, 512), (4 if big else 8)
+    return ((16, 128), 4) if big else ((16, 256), 8)
+
+
+def down_combine_tiles(fmt: int, tokens: int, top_k: int) -> tuple[tuple[int, int], int]:
+    """``down_combine``'s default ((BLOCK_N, BLOCK_K), num_warps): its [top_k, BLOCK_N, BLOCK_K]
+    weight tile is held in registers, so more experts a token take as many fewer rows."""
+    if fmt == FLOAT:
+        # 8 x 8 x 128 at 8 warps is 32 values a thread for top_k 8; best on the H200 at 1 and 7
+        # tokens (5.1 / 31.0 us, vs 9.2 / 40.2 at 4 warps; benchmarks/tune_moe.py)
+        (rows, bk), warps = (8, 128), 8
+    elif fmt == NVFP4_CODE:
+        # 6.7 / 33.3 us at 1 / 7 tokens against 9.1 / 44.5 at FP8's tiles on an H100, without the
+        # shared term (h100/tuning/tune_moe_nvfp4.json)
+        (rows, bk), warps = ((16, 256) if tokens == 1 else (32, 256)), 8
+    else:
+        (rows, bk), warps = (4, 256), (8 if tokens == 1 else 4)
+    return (max(2, rows * 8 // triton.next_power_of_2(top_k)), bk), warps
+
+
 def _block_k(kw: KernelWeight, tile: int, k: int) -> int:
     """The K step: ``tile``, at most one 128-input scale block for FP8 (whose steps must divide it)."""
     return launch_tile(min(tile, 128) if kw.format == FP8_CODE else tile, k, 128 if kw.format == FP8_CODE else 1024)
@@ -343,26 +379,8 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
     Ts, Ns = (T, sg.shape[0]) if shared is not None else (0, N)
     buf = torch.empty(P * N + Ts * Ns, device=x.device, dtype=x.dtype)
     if P + Ts:
-        # 8 warps; 8 x 256 tiles for a token's 8 pairs, 16 x 128 for a verify's 56: best on the H200
-        # for the 35B shape with the shared rows folded in (9.8 / 52.7 us; benchmarks/tune_moe.py)
-        # NVFP4: 8 x 512, 8 warps for a token, 4 for a verify's, best on an H100 for the 35B shape
-        # (11.3 / 51.8 us against 19.2 / 69.0 at FP8's tiles; h100/tuning/tune_moe_nvfp4.json)
-        # FP8: 16 x 256 (8 warps) for a token, 16 x 128 (4 warps) for a verify's (the K step stays
-        # within a 128-input scale block)
-        # ungated quantized (one weight tile a K step, fewer registers): 8 x 256 (4 warps) for a token's pairs,
-        # 32 x 256 (4 warps) for a verify's: 28.5 / 185.2 us against 36.3 / 243.8 at the gated tiles for
-        # Nemotron-3-Super's 22 experts of [2688, 1024] (tune_moe.py --quantize nvfp4 --top-k 22)
-        big = P + Ts >= 32
-        if g.format == FLOAT:
-            tile, warps = (16, 128) if big else (8, 256), 8
-        elif act != SWIGLU:
-            tile, warps = (32, 256) if big else (8, 256), 4
-        elif g.format == NVFP4_CODE:
-            tile, warps = ((8, 512), 4) if big else ((8, 512), 8)
-        else:
-            tile, warps = ((16, 128), 4) if big else ((16, 256), 8)
-        cfg = {"BLOCK_N": launch_tile(tile[0], max(N, Ns)), "BLOCK_K": _block_k(g, tile[1], K), "num_warps": warps,
-               **launch}
+        (bn, bk), warps = pair_tiles(g.format, act, P + Ts >= 32)
+        cfg = {"BLOCK_N": launch_tile(bn, max(N, Ns)), "BLOCK_K": _block_k(g, bk, K), "num_warps": warps, **launch}
         we, wn, ce, cn = g.strides()
         _swiglu_gemv_kernel[(P + Ts, triton.cdiv(max(N, Ns), cfg["BLOCK_N"]))](
             x.contiguous(), g.weight, u.weight, g.scale, u.scale, g.rows, u.rows, idx.contiguous(),
@@ -402,21 +420,8 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
         return combine_sorted(y, None, top_w.reshape(T, top_k))
     out = torch.empty(T, N, device=h.device, dtype=h.dtype)
     if T:
-        # the [top_k, BLOCK_N, BLOCK_K] weight tile is held in registers: 8 x 8 x 128 at 8 warps is 32
-        # values a thread for top_k 8; best on the H200 at 1 and 7 tokens (5.1 / 31.0 us, vs 9.2 / 40.2
-        # at 4 warps; benchmarks/tune_moe.py)
-        # NVFP4: 16 x 256 at 1 token, 32 x 256 at 7, 8 warps: 6.7 / 33.3 us against 9.1 / 44.5 at
-        # FP8's tiles on an H100 (h100/tuning/tune_moe_nvfp4.json, without the shared term);
-        # FP8: 4 x 256 (8 warps at 1 token, 4 at 7)
-        if d.format == FLOAT:
-            tile, warps = (8, 128), 8
-        elif d.format == NVFP4_CODE:
-            tile, warps = ((16, 256) if T == 1 else (32, 256)), 8
-        else:
-            tile, warps = (4, 256), 8 if T == 1 else 4
-        # more experts a token (with a shared expert): as many fewer rows a tile, the same registers
-        rows = max(2, tile[0] * 8 // triton.next_power_of_2(top_k))
-        cfg = {"BLOCK_N": launch_tile(rows, N), "BLOCK_K": _block_k(d, tile[1], K), "num_warps": warps, **launch}
+        (rows, bk), warps = down_combine_tiles(d.format, T, top_k)
+        cfg = {"BLOCK_N": launch_tile(rows, N), "BLOCK_K": _block_k(d, bk, K), "num_warps": warps, **launch}
         hs, sl = (out, out) if shared is None else (shared[0].contiguous(), shared[2].float().contiguous())
         we, wn, ce, cn = d.strides()
         _down_combine_kernel[(T, triton.cdiv(N, cfg["BLOCK_N"]))](
