@@ -16,8 +16,8 @@ set -o pipefail
 OUT=${OUT:-h200_out}
 WORK=${WORK:-/tmp/wmtp_results}
 mkdir -p "$OUT" "$WORK"
-# FlashAttention-4's wheels, carried in three calls (benchmarks/flash_wheels.sh), join the rest
-if [[ -d .flash1 && -d .flash2 && -d .flash3 ]]; then bash benchmarks/flash_wheels.sh join || exit 1; fi
+# FlashAttention-4's wheels, carried in two calls (benchmarks/flash_wheels.sh), join the rest
+if [[ -d .flash1 && -d .flash2 ]]; then bash benchmarks/flash_wheels.sh join || exit 1; fi
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
