@@ -38,9 +38,6 @@ def cases() -> dict[str, tuple]:
                  CVT=cvt, PDL=True))
     from wmtp.kernels.moe import down_combine_tiles, pair_tiles
 
-    def k_step(code: int, bk: int) -> int:  # moe._block_k: FP8's K step within its 128-input scale block
-        return min(bk, 128) if code == 2 else bk
-
     # the MoE kernels at the tiles the engine launches them with (a token's, a verify's)
     for (fmt, cvt), act, big in itertools.product(CVT, ("swiglu", "relu2", "linear"), (False, True)):
         code, w, s = QUANT_FORMATS[fmt]
@@ -51,8 +48,8 @@ def cases() -> dict[str, tuple]:
              "SU": w, "SCG": s, "SCU": s, "SRG": "*fp32", "SRU": "*fp32", "OUT": "*bf16",
              **_ints("P", "N", "NS", "K", "stride_we", "stride_wn", "stride_ce", "stride_cn", "stride_re", "stride_sn",
                      "stride_scn")},
-            dict(TOP_K=8, FORMAT=code, ACT=("swiglu", "relu2", "linear").index(act), BLOCK_N=bn, BLOCK_K=k_step(code, bk),
-                 CVT=cvt, PDL=True), {"num_warps": warps})
+            dict(TOP_K=8, FORMAT=code, ACT=("swiglu", "relu2", "linear").index(act), BLOCK_N=bn, BLOCK_K=bk, CVT=cvt,
+                 PDL=True), {"num_warps": warps})
     for (fmt, cvt), shared, tokens in itertools.product(CVT, (False, True), (1, 7)):
         code, w, s = QUANT_FORMATS[fmt]
         (bn, bk), warps = down_combine_tiles(code, tokens, 8)
@@ -62,7 +59,7 @@ def cases() -> dict[str, tuple]:
              "RS": "*fp32", "SL": "*fp32", "OUT": "*bf16",
              **_ints("N", "K", "KS", "stride_we", "stride_wn", "stride_ce", "stride_cn", "stride_re", "stride_ws",
                      "stride_cs")},
-            dict(TOP_K=8, TOP_K_P=8, SHARED=shared, FORMAT=code, BLOCK_N=bn, BLOCK_K=k_step(code, bk), CVT=cvt, PDL=True),
+            dict(TOP_K=8, TOP_K_P=8, SHARED=shared, FORMAT=code, BLOCK_N=bn, BLOCK_K=bk, CVT=cvt, PDL=True),
             {"num_warps": warps})
     # the paged attention kernel at the launch configurations paged_attention picks (module docstring
     # there): compiled, spills allowed (its [64, 256] fp32 accumulator spills at 4 warps and still

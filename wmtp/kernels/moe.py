@@ -272,23 +272,24 @@ def _experts(name: str, x: torch.Tensor, w: Weight, k_dim: int) -> KernelWeight:
 
 def pair_tiles(fmt: int, act: int, big: bool) -> tuple[tuple[int, int], int]:
     """The pair-wise GEMV's default ((BLOCK_N, BLOCK_K), num_warps) for weights of kernel format
-    ``fmt`` (``quant_tiles``), activation ``act`` and ``big`` (32 or more rows of pairs: a verify's)
-    before ``_block_k`` caps FP8's K step at its 128-input scale block."""
+    ``fmt`` (``quant_tiles``), activation ``act`` and ``big`` (32 or more rows of pairs: a verify's);
+    FP8's K step within its 128-input scale block (``_k_step``)."""
     if fmt == FLOAT:
         # 8 x 256 for a token's 8 pairs, 16 x 128 for a verify's 56: best on the H200 for the 35B
         # shape with the shared rows folded in (9.8 / 52.7 us; benchmarks/tune_moe.py)
-        return ((16, 128) if big else (8, 256)), 8
-    if act != SWIGLU:
+        (bn, bk), warps = ((16, 128) if big else (8, 256)), 8
+    elif act != SWIGLU:
         # ungated quantized (one weight tile a K step, fewer registers): 28.5 / 185.2 us against 36.3 /
         # 243.8 at the gated tiles for Nemotron-3-Super's 22 experts of [2688, 1024] on the H200
         # (tune_moe.py --quantize nvfp4 --top-k 22)
-        return ((32, 256) if big else (8, 256)), 4
-    if fmt == NVFP4_CODE:
+        (bn, bk), warps = ((32, 256) if big else (8, 256)), 4
+    elif fmt == NVFP4_CODE:
         # best on an H100 for the 35B shape: 11.3 / 51.8 us at 1 / 7 tokens against 19.2 / 69.0 at
         # FP8's tiles (h100/tuning/tune_moe_nvfp4.json)
-        return (8, 512), (4 if big else 8)
-    # FP8: the H200's best tiles for NVFP4 before that sweep (19.6 / 77.8 us); not swept for FP8 itself
-    return ((16, 128), 4) if big else ((16, 256), 8)
+        (bn, bk), warps = (8, 512), (4 if big else 8)
+    else:  # FP8: the H200's best tiles for NVFP4 before that sweep (19.6 / 77.8 us); not swept for FP8 itself
+        (bn, bk), warps = ((16, 128), 4) if big else ((16, 256), 8)
+    return (bn, _k_step(fmt, bk)), warps
 
 
 def down_combine_tiles(fmt: int, tokens: int, top_k: int) -> tuple[tuple[int, int], int]:
@@ -304,12 +305,17 @@ def down_combine_tiles(fmt: int, tokens: int, top_k: int) -> tuple[tuple[int, in
         (rows, bk), warps = ((16, 256) if tokens == 1 else (32, 256)), 8
     else:  # FP8: likewise NVFP4's H200 tiles before that sweep (12.7 / 63.3 us)
         (rows, bk), warps = (4, 256), (8 if tokens == 1 else 4)
-    return (max(2, rows * 8 // triton.next_power_of_2(top_k)), bk), warps
+    return (max(2, rows * 8 // triton.next_power_of_2(top_k)), _k_step(fmt, bk)), warps
+
+
+def _k_step(fmt: int, tile: int) -> int:
+    """``tile``, at most one 128-input scale block for FP8 (whose steps must divide it)."""
+    return min(tile, 128) if fmt == FP8_CODE else tile
 
 
 def _block_k(kw: KernelWeight, tile: int, k: int) -> int:
-    """The K step: ``tile``, at most one 128-input scale block for FP8 (whose steps must divide it)."""
-    return launch_tile(min(tile, 128) if kw.format == FP8_CODE else tile, k, 128 if kw.format == FP8_CODE else 1024)
+    """The K step of a launch over ``k`` inputs: ``_k_step``, or under ``whole_tiles`` the whole K."""
+    return launch_tile(_k_step(kw.format, tile), k, 128 if kw.format == FP8_CODE else 1024)
 
 
 def swiglu_gemv(x: torch.Tensor, w_gate: Weight, w_up: Weight, idx: torch.Tensor, top_k: int = 1,
