@@ -30,8 +30,8 @@ SHAPES = [("o_proj / out_proj / mtp fc", 2048, 4096, GRID_DEEP),
 
 # quantized weights (--quantize): (block_n, block_k, splits, num_warps, num_stages), K steps the
 # format allows (FP8: within a 128-input scale block)
-QUANT_GRIDS = {"nvfp4": list(itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8), (4,), (3,))),
-               "fp8": list(itertools.product((16, 32, 64), (64, 128), (1, 2, 4, 8), (4,), (3,)))}
+QUANT_GRIDS = {"nvfp4": list(itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8), (4, 8), (3,))),
+               "fp8": list(itertools.product((32, 64, 128), (64, 128), (1, 2, 4, 8), (4, 8), (3,)))}
 QUANT_SHAPES = SHAPES[:1] + SHAPES[2:] + [("shared expert gate / up", 512, 2048, None),
                                           ("shared expert down", 2048, 512, None)]
 

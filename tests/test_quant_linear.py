@@ -49,6 +49,19 @@ def test_quant_linear_matches_the_twin(fmt, rows, dtype):
     assert _close(decode_linear(x, w.rows(slice(40, 63))), F.linear(x, w.rows(slice(40, 63)).dequantize(dtype)))
 
 
+@pytest.mark.parametrize("fmt", [NVFP4(), FP8Block()], ids=["nvfp4", "fp8"])
+def test_quant_linear_rows_beyond_fp16s_range(fmt):
+    """The kernel's fp16 dot scales each row of a 16-bit x by a power of 2: rows of 1e6 (past fp16's
+    65504) and 1e-6 (below its normals) come out as exact as a row of 1, each to its own magnitude."""
+    w = _weight(fmt, [40], 128, seed=3)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4))
+    x = (x * torch.tensor([[1e6], [1.0], [1e-6]])).to(DEVICE, torch.bfloat16)
+    got, want = skinny_linear(x, w, tiles=LinearTiles(16, 64, 1, 4)), F.linear(x, w.dequantize(torch.bfloat16))
+    assert torch.isfinite(got).all()
+    for r in range(3):
+        assert _close(got[r], want[r]), r
+
+
 def test_quant_linear_above_the_kernels_rows_dequantizes():
     w = _weight(NVFP4(), [24], 32, seed=0)
     x = torch.randn(QUANT_MAX_ROWS + 3, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)

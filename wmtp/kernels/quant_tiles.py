@@ -219,48 +219,100 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def e2m1_scaled_f16(b, scale, CVT: tl.constexpr):
+        """Each packed byte's two e2m1 values times their group's ``scale`` (fp16, broadcast to b's
+        shape, the e4m3 scale times 64) as fp16: exact, since the product has at most 6 significant
+        bits between 2^-10 and 2688. With CVT the nibbles become e4m3 bytes (``e2m1_pairs``), one
+        instruction converts two to an f16x2 and one f16x2 multiply scales them: no fp32 on the way,
+        which left the tensor-core linears issuing about 18 instructions a weight byte."""
+        if CVT:
+            return tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .b32 lo, hi, t, p<4>;
+                .reg .b16 l<2>, h<2>;
+                and.b32 lo, $4, 0x07070707;
+                shl.b32 lo, lo, 2;
+                and.b32 t, $4, 0x08080808;
+                shl.b32 t, t, 4;
+                or.b32 lo, lo, t;
+                shr.u32 hi, $4, 2;
+                and.b32 hi, hi, 0x1C1C1C1C;
+                and.b32 t, $4, 0x80808080;
+                or.b32 hi, hi, t;
+                mov.b32 {l0, l1}, lo;
+                mov.b32 {h0, h1}, hi;
+                cvt.rn.f16x2.e4m3x2 p0, l0;
+                cvt.rn.f16x2.e4m3x2 p1, l1;
+                cvt.rn.f16x2.e4m3x2 p2, h0;
+                cvt.rn.f16x2.e4m3x2 p3, h1;
+                mul.rn.f16x2 $0, p0, $5;
+                mul.rn.f16x2 $1, p1, $6;
+                mul.rn.f16x2 $2, p2, $5;
+                mul.rn.f16x2 $3, p3, $6;
+                }
+                """,
+                constraints="=r,=r,=r,=r,r,r,r",
+                args=[b, scale], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:  # the fp16 bit placement's value * 2^-14, times 256: value / 64 (exact, subnormals too)
+            return (_e2m1_f16(b & 15).to(tl.float16) * 256.0) * scale, (_e2m1_f16(b >> 4).to(tl.float16) * 256.0) * scale
+
+    @triton.jit
+    def f16_rows(xv):
+        """x [rows, k] (16-bit or fp32) times a power of 2 per row that puts its largest |x| in
+        [2^14, 2^15), as fp16 (exact for 16-bit x down to 2^-38 of the row's largest), and the
+        inverse powers [rows, 1] in fp32: an fp16 dot of it, times the inverse, is the dot of x."""
+        xf = xv.to(tl.float32)
+        amax = tl.max(tl.abs(xf), 1)
+        eb = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 255, 15)  # amax < 2^(eb - 126)
+        up = ((268 - eb) << 23).to(tl.float32, bitcast=True)  # 2^(141 - eb)
+        down = ((eb - 14) << 23).to(tl.float32, bitcast=True)  # 2^(eb - 141)
+        return (xf * up[:, None]).to(tl.float16), down[:, None]
+
+    @triton.jit
     def weight_tile_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, k0, K, acc,
                         FORMAT: tl.constexpr, WIDEN: tl.constexpr, PREC: tl.constexpr, BLOCK_K: tl.constexpr,
                         CVT: tl.constexpr):
         """``acc + X[ts, k0:k0+BLOCK_K] @ weight[cols, k0:k0+BLOCK_K].T`` by tensor-core dots (rows of X
-        padded to the dot's 16): the weight tile dequantized to X's dtype first, where it is exact
-        (an NVFP4 value times its fp8 scale has at most 7 significant bits, an fp8 value 4); FP8's
-        block scale (BLOCK_K divides 128) multiplies the step's dot. NVFP4's second level: not here."""
+        padded to the dot's 16). A quantized weight tile is dequantized to fp16, exactly (an NVFP4
+        value times its fp8 scale has at most 6 significant bits, an fp8 value 4, all inside fp16's
+        range), and a 16-bit X's step scaled into fp16 by a power of 2 per row (``f16_rows``; an fp32 X
+        multiplies the fp32 weights); FP8's block
+        scale (BLOCK_K divides 128) multiplies the step's dot. NVFP4's second level: not here."""
         BN: tl.constexpr = cols.shape[0]
-        if FORMAT == 1:
-            G: tl.constexpr = BLOCK_K // 16
-            g = tl.arange(0, G)
-            kb = k0 // 2 + g[:, None] * 8 + tl.arange(0, 8)[None, :]
-            kb_ok = kb < K // 2
-            b = tl.load(W + cols[:, None, None] * stride_wn + kb, mask=col_ok[:, None, None] & kb_ok, other=0)
-            gs = k0 // 16 + g
-            sc = tl.load(S + cols[:, None] * stride_sn + gs[None, :], mask=col_ok[:, None] & (gs < K // 16)[None, :],
-                         other=0.0).to(tl.float32)[:, :, None] * 64.0  # e2m1_pairs' values are / 64
-            h = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            x_ok = t_ok[:, None] & (h < K // 2)[None, :]
-            xe = tl.load(X + ts[:, None] * stride_xt + 2 * h[None, :], mask=x_ok, other=0.0)
-            xo = tl.load(X + ts[:, None] * stride_xt + 2 * h[None, :] + 1, mask=x_ok, other=0.0)
-            lo, hi = e2m1_pairs(b, CVT)
-            lo = tl.reshape(lo * sc, (BN, BLOCK_K // 2))
-            hi = tl.reshape(hi * sc, (BN, BLOCK_K // 2))
-            if WIDEN:
-                xe = xe.to(tl.float32)
-                xo = xo.to(tl.float32)
-            acc = tl.dot(xe, tl.trans(lo.to(xe.dtype)), acc, input_precision=PREC)
-            return tl.dot(xo, tl.trans(hi.to(xo.dtype)), acc, input_precision=PREC)
-        else:
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            xv = tl.load(X + ts[:, None] * stride_xt + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        xv = tl.load(X + ts[:, None] * stride_xt + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        if FORMAT == 0:
             wv = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             if WIDEN:
                 xv = xv.to(tl.float32)
                 wv = wv.to(tl.float32)
-            if FORMAT == 2:
-                sc = tl.load(S + cols * stride_sn + k0 // 128, mask=col_ok, other=0.0)
-                return acc + tl.dot(xv, tl.trans(wv.to(xv.dtype)), input_precision=PREC) * sc[None, :]
-            else:
-                return tl.dot(xv, tl.trans(wv), acc, input_precision=PREC)
+            return tl.dot(xv, tl.trans(wv), acc, input_precision=PREC)
+        if FORMAT == 1:
+            G: tl.constexpr = BLOCK_K // 16
+            g = tl.arange(0, G)
+            kb = k0 // 2 + g[:, None] * 8 + tl.arange(0, 8)[None, :]
+            b = tl.load(W + cols[:, None, None] * stride_wn + kb, mask=col_ok[:, None, None] & (kb < K // 2), other=0)
+            gs = k0 // 16 + g
+            sc = tl.load(S + cols[:, None] * stride_sn + gs[None, :], mask=col_ok[:, None] & (gs < K // 16)[None, :],
+                         other=0.0).to(tl.float16) * 64.0  # e2m1 values decode / 64
+            lo, hi = e2m1_scaled_f16(b, tl.broadcast_to(sc[:, :, None], (BN, G, 8)), CVT)
+            wv = tl.reshape(tl.join(lo, hi), (BN, BLOCK_K))  # input 2j + 1 beside 2j: K's own order
+        else:
+            wv = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                         other=0.0).to(tl.float16)
+        if X.dtype.element_ty == tl.float32:  # fp32 x: an fp32 dot over the exact weights
+            part = tl.dot(xv, tl.trans(wv.to(tl.float32)), input_precision=PREC)
+        else:
+            xs, down = f16_rows(xv)
+            if WIDEN:
+                xs = xs.to(tl.float32)
+                wv = wv.to(tl.float32)
+            part = tl.dot(xs, tl.trans(wv), input_precision=PREC) * down
+        if FORMAT == 2:
+            part = part * tl.load(S + cols * stride_sn + k0 // 128, mask=col_ok, other=0.0)[None, :]
+        return acc + part
 
     @triton.jit
     def _dequantize_kernel(W, S, R, OUT, K, stride_w, stride_s, FORMAT: tl.constexpr, BLOCK_R: tl.constexpr,
