@@ -270,7 +270,23 @@ if triton is not None:
         return (xf * up[:, None]).to(tl.float16), down[:, None]
 
     @triton.jit
-    def weight_tile_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, k0, K, acc,
+    def tile_scales(S, stride_sn, cols, col_ok, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The scales ``weight_tile_dot`` applies in K step ``[k0, k0 + BLOCK_K)`` to the weight rows
+        ``cols``: NVFP4's group scales times 64 as fp16 [cols, BLOCK_K / 16], FP8's block scale
+        [cols] (fp32), nothing for float weights. Loaded by the caller a step ahead: the scales are
+        single bytes (no asynchronous copy takes them), and an NVFP4 tile cannot dequantize before
+        its scales arrive, so a load in the step itself left the memory latency in every step."""
+        if FORMAT == 1:
+            gs = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+            return tl.load(S + cols[:, None] * stride_sn + gs[None, :], mask=col_ok[:, None] & (gs < K // 16)[None, :],
+                           other=0.0).to(tl.float16) * 64.0  # e2m1 values decode / 64
+        elif FORMAT == 2:
+            return tl.load(S + cols * stride_sn + k0 // 128, mask=col_ok & (k0 < K), other=0.0)
+        else:
+            return tl.zeros([1], tl.float32)
+
+    @triton.jit
+    def weight_tile_dot(X, W, stride_xt, stride_wn, ts, t_ok, cols, col_ok, k0, K, sc, acc,
                         FORMAT: tl.constexpr, WIDEN: tl.constexpr, PREC: tl.constexpr, BLOCK_K: tl.constexpr,
                         CVT: tl.constexpr):
         """``acc + X[ts, k0:k0+BLOCK_K] @ weight[cols, k0:k0+BLOCK_K].T`` by tensor-core dots (rows of X
@@ -278,7 +294,8 @@ if triton is not None:
         value times its fp8 scale has at most 6 significant bits, an fp8 value 4, all inside fp16's
         range), and a 16-bit X's step scaled into fp16 by a power of 2 per row (``f16_rows``; an fp32 X
         multiplies the fp32 weights); FP8's block
-        scale (BLOCK_K divides 128) multiplies the step's dot. NVFP4's second level: not here."""
+        scale (BLOCK_K divides 128) multiplies the step's dot. ``sc``: the step's ``tile_scales``.
+        NVFP4's second level: not here."""
         BN: tl.constexpr = cols.shape[0]
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -294,9 +311,6 @@ if triton is not None:
             g = tl.arange(0, G)
             kb = k0 // 2 + g[:, None] * 8 + tl.arange(0, 8)[None, :]
             b = tl.load(W + cols[:, None, None] * stride_wn + kb, mask=col_ok[:, None, None] & (kb < K // 2), other=0)
-            gs = k0 // 16 + g
-            sc = tl.load(S + cols[:, None] * stride_sn + gs[None, :], mask=col_ok[:, None] & (gs < K // 16)[None, :],
-                         other=0.0).to(tl.float16) * 64.0  # e2m1 values decode / 64
             lo, hi = e2m1_scaled_f16(b, tl.broadcast_to(sc[:, :, None], (BN, G, 8)), CVT)
             wv = tl.reshape(tl.join(lo, hi), (BN, BLOCK_K))  # input 2j + 1 beside 2j: K's own order
         else:
@@ -311,7 +325,7 @@ if triton is not None:
                 wv = wv.to(tl.float32)
             part = tl.dot(xs, tl.trans(wv), input_precision=PREC) * down
         if FORMAT == 2:
-            part = part * tl.load(S + cols * stride_sn + k0 // 128, mask=col_ok, other=0.0)[None, :]
+            part = part * sc[None, :]
         return acc + part
 
     @triton.jit
