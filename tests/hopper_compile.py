@@ -28,14 +28,18 @@ def _ints(*names: str) -> dict[str, str]:
 def cases() -> dict[str, tuple]:
     """name -> (``module:kernel``, argument types by name, constexprs[, launch options])."""
     out = {}
-    for (fmt, cvt), splits in itertools.product(CVT, (1, 4)):
+    from wmtp.kernels.linear import quant_tiles
+
+    # at the tiles the engine launches the 35B's projections with (2048 and 12352 outputs)
+    for (fmt, cvt), splits, n in itertools.product(CVT, (1, 4), (2048, 12352)):
         code, w, s = QUANT_FORMATS[fmt]
-        out[f"skinny_linear-{fmt}-cvt{int(cvt)}-splits{splits}"] = (
+        tiles = quant_tiles(n, 2048)
+        out[f"skinny_linear-{fmt}-cvt{int(cvt)}-splits{splits}-n{n}"] = (
             "wmtp.kernels.linear:_skinny_linear_kernel",
             {"X": "*bf16", "W": w, "S": s, "R": "*fp32", "BIAS": "*bf16", "OUT": "*bf16", "PART": "*fp32",
              "COUNT": "*i32", **_ints("T", "N", "K", "stride_xt", "stride_wn", "stride_sn", "stride_ot", "K_SPLIT")},
-            dict(FORMAT=code, HAS_BIAS=True, SPLITS=splits, WIDEN=False, PREC="tf32", T_P=16, BLOCK_N=64, BLOCK_K=128,
-                 CVT=cvt, PDL=True))
+            dict(FORMAT=code, HAS_BIAS=True, SPLITS=splits, WIDEN=False, PREC="tf32", T_P=16, BLOCK_N=tiles.block_n,
+                 BLOCK_K=tiles.block_k, CVT=cvt, PDL=True), {"num_warps": tiles.num_warps})
     from wmtp.kernels.moe import down_combine_tiles, pair_tiles
 
     # the MoE kernels at the tiles the engine launches them with (a token's, a verify's)

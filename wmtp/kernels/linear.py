@@ -127,13 +127,14 @@ def linear_tiles(rows: int, n: int, k: int) -> LinearTiles | None:
 
 def quant_tiles(n: int, k: int) -> LinearTiles:
     """Tiles for a quantized [n, k] weight (no cuBLAS alternative short of dequantizing it): K steps
-    of 128 inputs, 64-wide column blocks (32 up to 1024 outputs) and as many K splits (8, 4, 2) as
-    keep the launch within 1200 programs. Best on the H200 for NVFP4 at 1 row of the sweep
-    (tune_linear.py --quantize): 12.4 us for 2048 x 4096, 21.3 for 9216 x 2048, 24.8 for 12352 x
-    2048 (4 splits), 4.7 for 512 x 2048, against 17.6 / 38.7 / 38.4 / 4.7 at 32 x 256 tiles."""
-    block_n = 32 if n <= 1024 else 64
+    of 128 inputs; columns in blocks of 32 up to 1024 outputs, 64 up to 4096, 128 above; as many K
+    splits (8, 4, 2) as keep the launch within 600 programs. Best of the sweep on an H100 for NVFP4
+    (``tune_linear.py --quantize nvfp4 --tokens 1,7``, at 3e78b3e), 1 / 7 rows: 2048 x 4096 at 64 x 128
+    in 8 splits 9.4 / 9.3 us; 9216 x 2048 at 128 x 128 in 8 splits 18.9 / 19.2 us and 12352 x 2048 in
+    4 splits 19.4 / 19.1 us, against 21.0 / 21.1 and 23.7 / 23.6 at 64-wide blocks."""
+    block_n = 32 if n <= 1024 else 64 if n <= 4096 else 128
     blocks = -(-n // block_n)
-    splits = next(s for s in (8, 4, 2, 1) if s == 1 or blocks * s <= 1200)
+    splits = next(s for s in (8, 4, 2, 1) if s == 1 or blocks * s <= 600)
     return LinearTiles(block_n, 128, max(1, min(splits, k // 128)), 4)
 
 
