@@ -2,7 +2,9 @@
 it (greedy tokens, seeded samples, the draft's own logits) in every mode on a GDN and a Mamba2
 target, resuming at periodic and end-of-prompt snapshots, while the first request runs and after it
 finished; shared pages are never written; LRU eviction spares held pages and admission counts only
-added pages; metrics, ``serve``'s flag, the budget and bad settings. CPU, fp32, tiny models."""
+added pages; a seeded random mix of add / step / abort keeps the books (no page, draft page or
+snapshot leaked or owned twice, no held node evicted) and the tokens; metrics, ``serve``'s flag, the
+budget and bad settings. CPU, fp32, tiny models."""
 
 from __future__ import annotations
 
@@ -327,3 +329,90 @@ def test_bench_ttft_runs_of_other_modes_join_one_file(tmp_path):
     assert cli_main(args[:-2] + ["--out", str(out), "--modes", "native", "--tokens", "90"]) == 0
     res = json.loads(out.read_text())
     assert [r["mode"] for r in res["rows"]] == ["native"] and "earlier_runs" not in res["meta"]
+
+
+def _check_books(engine: Engine) -> None:
+    """The prefix cache's books after any operation: target pages (and draft pages, and snapshot
+    slots) are each exactly one of free, a cache node's or one running request's own; every node a
+    running request holds is still indexed (never evicted) and out of the LRU; refs and children
+    counts are what the chains and the tree say; the LRU holds exactly the unheld nodes."""
+    mem, pc = engine.memory, engine.prefix
+    nodes = list(pc._index.values())
+    assert sorted(mem.held) == sorted(r.id for r in engine.running) == sorted(pc._chains)
+    for kind, free_list, node_unit in (("pages", mem.pages, lambda n: n.page),
+                                       ("draft_pages", mem.draft_pages, lambda n: n.draft_page)):
+        free = set(free_list._free)
+        cached = {node_unit(n) for n in nodes} - {None}
+        assert len(free) == free_list.num_free and len(cached) == sum(node_unit(n) is not None for n in nodes)
+        private: set[int] = set()
+        for rid, (alloc, _) in mem.held.items():
+            units = set(getattr(alloc, kind))
+            held = {node_unit(n) for n in pc._chains[rid]} - {None}
+            assert units & cached <= held, f"request {rid} reads {kind} of nodes it does not hold"
+            assert not (units - cached) & private, f"{kind} of two requests"
+            private |= units - cached
+        assert not (free & cached or free & private), kind
+        assert len(free) + len(cached) + len(private) == free_list.capacity, f"{kind} leaked"
+    holders = [n.id for chain in pc._chains.values() for n in chain]
+    for n in nodes:
+        assert n.refs == holders.count(n.id) and n.children == sum(m.parent is n for m in nodes)
+        assert n.parent is None or pc._index.get(n.parent.key) is n.parent  # prefix-closed
+    assert set(pc._lru) == {n.id for n in nodes if n.refs == 0}
+    assert set(holders) <= {n.id for n in nodes}  # a held node is never evicted
+    snaps = [n.snapshot for n in nodes if n.snapshot is not None]
+    assert set(pc._snapshot_lru) == {n.id for n in nodes if n.snapshot is not None}
+    assert len(set(snaps)) == len(snaps) and not set(snaps) & set(mem.snapshot_slots._free)
+    assert len(snaps) + mem.snapshot_slots.num_free == mem.snapshot_slots.capacity
+
+
+@pytest.mark.parametrize("preset,mode,ring", [("tiny-qwen3.5-moe", "windowed", True), ("tiny-nemotron-h", "native", True)])
+def test_random_add_step_abort_keep_the_books(preset, mode, ring, models):
+    """A seeded random mix of requests over three documents (prefixes of several lengths, four
+    questions, some prompts repeated whole), steps and aborts (waiting, mid-prefill, decoding), on
+    pools small enough that pages and snapshots are evicted and admissions wait: ``_check_books`` after every operation, every
+    pool back to free or cached once drained, and each request that finished emits the tokens an
+    engine without the cache emits for it."""
+    model = models(preset)
+    kw = dict(max_model_len=128, max_num_seqs=3, num_kv_pages=34, prefill_chunk=24, prefix_snapshots=6)
+    engine = _engine(model, mode, ring, True, **kw)
+    save, saves = engine.memory.save_snapshot, []
+    engine.memory.save_snapshot = lambda slot, *a: (saves.append(slot), save(slot, *a))
+    rng = random.Random(7)
+    docs = [_tokens(rng, 72) for _ in range(3)]
+    questions = [_tokens(rng, n) for n in (1, 5, 12, 20)]
+    aborted: set[int] = set()
+    ops = {"add": 0, "step": 0, "abort": 0, "held_back": 0}
+    for _ in range(200):
+        r = rng.random()
+        if r < 0.25:
+            doc = rng.choice(docs)
+            prompt = doc[:rng.choice((0, 24, 40, 56, 72, rng.randint(1, 72)))] + rng.choice(questions)
+            engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True))
+            ops["add"] += 1
+        elif r < 0.95 and engine.has_unfinished():
+            engine.step()
+            ops["step"] += 1
+            ops["held_back"] += bool(engine.waiting) and len(engine.running) < kw["max_num_seqs"]
+        else:
+            live = [q.id for q in (*engine.waiting, *engine.running)]
+            if live:
+                rid = rng.choice(live)
+                engine.abort(rid)
+                aborted.add(rid)
+                ops["abort"] += 1
+        _check_books(engine)
+    while engine.has_unfinished():
+        engine.step()
+        _check_books(engine)
+    use, stats = engine.memory.usage(), engine.prefix.stats()
+    assert use["pages"] == stats["cached_pages"] and use["seqs"] == use["rings"] == use["state_slots"] == 0
+    # every branch really ran: hits, evicted pages, snapshot slots taken over, waits for memory
+    assert stats["hit_requests"] >= 10 and stats["evicted_pages"] >= 10 and ops["abort"] >= 5, (stats, ops)
+    assert ops["held_back"] >= 5 and len(saves) > 2 * kw["prefix_snapshots"], (ops, saves)  # slots taken over
+    reference = _engine(model, mode, ring, False, **kw)
+    done = [q for q in engine.requests.values() if q.id not in aborted]
+    for q in done:
+        ref = reference.add_request(q.prompt, q.params)
+        while reference.has_unfinished():
+            reference.step()
+        assert q.tokens == reference.requests[ref].tokens, f"request {q.id}"
