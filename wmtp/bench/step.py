@@ -433,8 +433,9 @@ def run_ttft(a: argparse.Namespace, tp: TPGroup | None = None) -> int:
     rows = [r for r in earlier["rows"] if r["mode"] not in modes] if earlier else []
     for mode in modes:
         # untimed first: Triton compiles and fla autotunes per shape class on first use, which
-        # would otherwise land in whichever mode runs first
-        _prefill_seconds(model, mode, a, [prompt[:warm]])
+        # would otherwise land in whichever mode runs first; with the prefix cache as the timed run
+        # has it, whose prefill chunks end at snapshot boundaries (shorter chunks than --chunk)
+        _prefill_seconds(model, mode, a, [prompt[:warm]], bool(a.repeat_suffix))
         row = {"mode": mode, "tokens": a.tokens, "chunk": a.chunk, "warmup_tokens": warm}
         split = {} if a.split else None
         if a.repeat_suffix:
