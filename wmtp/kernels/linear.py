@@ -40,18 +40,21 @@ QUANT_MAX_ROWS = 64
 
 class LinearTiles(NamedTuple):
     """Launch configuration: column block, K step, K splits (programs per column block), warps,
-    software-pipeline stages."""
+    software-pipeline stages; ``gemv``: a quantized weight's one-row launch by FMA (``weight_fma``)
+    instead of tensor-core dots (a candidate of ``benchmarks/tune_linear.py``'s sweep, not yet
+    timed on a GPU: no default chooses it)."""
 
     block_n: int
     block_k: int
     splits: int
     num_warps: int
     num_stages: int = 3  # Triton's default on NVIDIA GPUs
+    gemv: bool = False
 
 
 if triton is not None:
     from wmtp.kernels.common import last_to_arrive, wait_prior
-    from wmtp.kernels.quant_tiles import row_scale, tile_scales, weight_tile_dot
+    from wmtp.kernels.quant_tiles import row_scale, tile_scales, weight_fma, weight_tile_dot, x_step
 
     @triton.jit
     def split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, k_lo, K_SPLIT, K,
@@ -73,7 +76,7 @@ if triton is not None:
     def _skinny_linear_kernel(X, W, S, R, BIAS, OUT, PART, COUNT, T, N, K, stride_xt, stride_wn, stride_sn, stride_ot,
                               K_SPLIT, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
                               WIDEN: tl.constexpr, PREC: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, CVT: tl.constexpr, PDL: tl.constexpr):
+                              BLOCK_K: tl.constexpr, CVT: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr):
         wait_prior(PDL)
         nb = tl.program_id(0)
         s = tl.program_id(1)
@@ -81,8 +84,16 @@ if triton is not None:
         col_ok = cols < N
         ts = tl.arange(0, T_P)
         t_ok = ts < T
-        acc = split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, s * K_SPLIT, K_SPLIT, K,
-                        FORMAT, WIDEN, PREC, BLOCK_K, CVT)
+        if GEMV:  # one row (T_P = 1)
+            k_lo = s * K_SPLIT
+            acc3 = tl.zeros([BLOCK_N, BLOCK_K // 16, 8] if FORMAT == 1 else [BLOCK_N, BLOCK_K], tl.float32)
+            for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
+                acc3 = weight_fma(W, S, cols * stride_wn, cols * stride_sn, col_ok, x_step(X, 0, k0, K, FORMAT, BLOCK_K),
+                                  k0, K, acc3, FORMAT, BLOCK_K, CVT)
+            acc = tl.sum(tl.sum(acc3, 2) if FORMAT == 1 else acc3, 1)[None, :]
+        else:
+            acc = split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, s * K_SPLIT, K_SPLIT, K,
+                            FORMAT, WIDEN, PREC, BLOCK_K, CVT)
         out_ptr = OUT + ts[:, None] * stride_ot + cols[None, :]
         out_ok = t_ok[:, None] & col_ok[None, :]
         if SPLITS == 1:
@@ -190,6 +201,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
             raise ValueError(f"skinny_linear: NVFP4 block_k {bk} must be a power of 2 >= 16")
         if kw.format == FP8_CODE and (128 % bk or bk < 16):
             raise ValueError(f"skinny_linear: FP8 block_k {bk} must divide the 128-input scale blocks")
+        if cfg.gemv and (T != 1 or not quant):
+            raise ValueError(f"skinny_linear: gemv tiles take one row of a quantized weight (x {tuple(x.shape)}, "
+                             f"weight {kw.format})")
         k_split = triton.cdiv(triton.cdiv(K, cfg.splits), bk) * bk  # a multiple of the K step
         splits = triton.cdiv(K, k_split)
         blocks = triton.cdiv(N, cfg.block_n)
@@ -201,8 +215,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
             _skinny_linear_kernel[(blocks, splits)](
                 xs, kw.weight, kw.scale, kw.rows, outs if bias is None else bias, outs, part,
                 arrival_counters(x.device, blocks), t, N, K, xs.stride(0), kw.weight.stride(0), kw.scale.stride(0),
-                outs.stride(0), k_split, FORMAT=kw.format, HAS_BIAS=bias is not None, SPLITS=splits, T_P=MAX_ROWS,
-                BLOCK_N=cfg.block_n, BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                outs.stride(0), k_split, FORMAT=kw.format, HAS_BIAS=bias is not None, SPLITS=splits,
+                T_P=1 if cfg.gemv else MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=bk, GEMV=cfg.gemv,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 **dot_flags(x.dtype), **e2m1_cvt(x.device), **pdl(x.device))
     return out.view(*x.shape[:-1], N)
 
