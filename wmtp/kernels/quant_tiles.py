@@ -219,8 +219,8 @@ if triton is not None:
         K waits for the caller's end of the loop: a step moves nothing between threads, and the
         weight never passes through shared memory (the tensor-core tiles' fp16 weights do, twice:
         ncu on an H100 found ``skinny_linear``'s one-row NVFP4 launch bound by L1 / shared-memory
-        traffic at 80% of its peak, DRAM at 17%: ``h100/tuning/ncu_skinny_linear_nvfp4.txt``). Products exact (fp16 weight times fp32 x),
-        accumulated in fp32."""
+        traffic at 80% of its peak, DRAM at 17%: ``h100/tuning/ncu_skinny_linear_nvfp4.txt``).
+        Products exact (fp16 weight times fp32 x), accumulated in fp32."""
         ok = tl.expand_dims(row_ok, -1)
         xe, xo = xs
         if FORMAT == 1:
