@@ -41,16 +41,17 @@ GRIDS = {
     "down_pairs": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (2, 3, 4))),
 }
 # quantized experts (--quantize): fewer stages / warps, K steps the format allows (FP8: within a
-# 128-input scale block)
+# 128-input scale block); the pair-wise kernels also with their FMA candidate (FMA=True: the sum over K
+# once after the loop)
 QUANT_GRIDS = {
-    "nvfp4": {"swiglu_routed_shared": list(itertools.product((8, 16), (128, 256, 512), (4, 8), (3,))),
+    "nvfp4": {"swiglu_routed_shared": list(itertools.product((8, 16), (128, 256, 512), (4, 8), (3,), (False, True))),
               "down_combine_shared": list(itertools.product((2, 4, 8, 16), (64, 128, 256), (4, 8), (2,))),
-              "relu2_up": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (3,))),
-              "down_pairs": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (3,)))},
-    "fp8": {"swiglu_routed_shared": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,))),
+              "relu2_up": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (3,), (False, True))),
+              "down_pairs": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (3,), (False, True)))},
+    "fp8": {"swiglu_routed_shared": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,), (False, True))),
             "down_combine_shared": list(itertools.product((4, 8, 16), (64, 128), (4, 8), (2,))),
-            "relu2_up": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,))),
-            "down_pairs": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,)))},
+            "relu2_up": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,), (False, True))),
+            "down_pairs": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,), (False, True)))},
 }
 
 
@@ -79,8 +80,8 @@ def sweep(name: str, fn: Callable[..., torch.Tensor], layers: int, nbytes: int, 
         return cold_ms_per_call(lambda layer: fn(layer, **cfg), range(layers))
 
     results = []
-    for bn, bk, nw, ns in grid:
-        cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
+    for bn, bk, nw, ns, *fma in grid:
+        cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns, **({"FMA": True} if fma == [True] else {})}
         try:
             results.append({**cfg, "ms": per_launch(**cfg)})
         except Exception as e:  # resources exceeded for this tile: not a candidate

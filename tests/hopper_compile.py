@@ -62,7 +62,11 @@ def cases() -> dict[str, tuple]:
              **_ints("P", "N", "NS", "K", "stride_we", "stride_wn", "stride_ce", "stride_cn", "stride_re", "stride_sn",
                      "stride_scn")},
             dict(TOP_K=8, FORMAT=code, ACT=("swiglu", "relu2", "linear").index(act), BLOCK_N=bn, BLOCK_K=bk, CVT=cvt,
-                 PDL=True), {"num_warps": warps})
+                 FMA=False, PDL=True), {"num_warps": warps})
+        if act == "swiglu":  # tune_moe's FMA candidate at the same tiles
+            case = out[f"pair_gemv-{fmt}-cvt{int(cvt)}-swiglu-{'verify' if big else 'token'}"]
+            out[f"pair_gemv_fma-{fmt}-cvt{int(cvt)}-{'verify' if big else 'token'}"] = (
+                case[0], case[1], {**case[2], "FMA": True}, case[3])
     for (fmt, cvt), shared, tokens in itertools.product(CVT, (False, True), (1, 7)):
         code, w, s = QUANT_FORMATS[fmt]
         (bn, bk), warps = down_combine_tiles(code, tokens, 8)

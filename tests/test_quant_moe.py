@@ -56,6 +56,7 @@ def test_swiglu_and_down_combine_match_the_reference(fmt, dtype):
     gu = torch.stack([F.linear(x[p // top_k], gate_up[int(e)].dequantize(dtype)) for p, e in enumerate(idx.view(-1))])
     want_h = F.silu(gu[:, :inter]) * gu[:, inter:]
     assert _close(h, want_h)
+    assert _close(swiglu_gemv(x, gate, up, idx.view(-1), top_k, BLOCK_N=16, BLOCK_K=64, FMA=True), want_h)
     top_w = torch.rand(T, top_k, generator=g).to(DEVICE)
     out = down_combine(want_h, down, idx, top_w, top_k, BLOCK_N=32, BLOCK_K=32)
     y = torch.stack([F.linear(want_h[p], down[int(e)].dequantize(dtype)) for p, e in enumerate(idx.view(-1))])

@@ -78,6 +78,7 @@ def test_relu2_gemv_and_combine_match_the_reference(fmt, dtype):
     dense = (lambda w, e: w[e].dequantize(dtype) if fmt is not None else w[e])  # noqa: E731
     want_h = torch.stack([F.relu(F.linear(x[p // top_k], dense(up, int(e)))).square() for p, e in enumerate(idx.view(-1))])
     assert _close(relu2_gemv(x, up, idx.view(-1), top_k, BLOCK_N=16, BLOCK_K=64), want_h)
+    assert _close(relu2_gemv(x, up, idx.view(-1), top_k, BLOCK_N=16, BLOCK_K=64, FMA=True), want_h)
     top_w = torch.rand(T, top_k, generator=g).to(DEVICE)
     y = torch.stack([F.linear(want_h[p], dense(down, int(e))) for p, e in enumerate(idx.view(-1))])  # rounded
     want = (y.view(T, top_k, -1).float() * top_w[..., None]).sum(1).to(dtype)

@@ -54,7 +54,7 @@ class LinearTiles(NamedTuple):
 
 if triton is not None:
     from wmtp.kernels.common import last_to_arrive, wait_prior
-    from wmtp.kernels.quant_tiles import row_scale, tile_scales, weight_fma, weight_tile_dot, x_step
+    from wmtp.kernels.quant_tiles import fma_sum, row_scale, tile_scales, weight_fma, weight_tile_dot, x_step
 
     @triton.jit
     def split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, k_lo, K_SPLIT, K,
@@ -90,7 +90,7 @@ if triton is not None:
             for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
                 acc3 = weight_fma(W, S, cols * stride_wn, cols * stride_sn, col_ok, x_step(X, 0, k0, K, FORMAT, BLOCK_K),
                                   k0, K, acc3, FORMAT, BLOCK_K, CVT)
-            acc = tl.sum(tl.sum(acc3, 2) if FORMAT == 1 else acc3, 1)[None, :]
+            acc = fma_sum(acc3, FORMAT)[None, :]
         else:
             acc = split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, s * K_SPLIT, K_SPLIT, K,
                             FORMAT, WIDEN, PREC, BLOCK_K, CVT)

@@ -59,7 +59,7 @@ MAX_FUSED_TOP_K = 8
 
 if triton is not None:
     from wmtp.kernels.common import wait_prior
-    from wmtp.kernels.quant_tiles import row_scale, weight_dot, x_step
+    from wmtp.kernels.quant_tiles import fma_sum, row_scale, weight_dot, weight_fma, x_step
 
     @triton.jit
     def _route_topk_kernel(LOGITS, W_OUT, I_OUT, X, SG, SG_OUT, BIAS, E, HID, scale, TOP_K: tl.constexpr,
@@ -114,11 +114,13 @@ if triton is not None:
     def _swiglu_gemv_kernel(X, WG, WU, CG, CU, RG, RU, IDX, SG, SU, SCG, SCU, SRG, SRU, OUT, P, N, NS, K,
                             stride_we, stride_wn, stride_ce, stride_cn, stride_re, stride_sn, stride_scn,
                             TOP_K: tl.constexpr, FORMAT: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, CVT: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_K: tl.constexpr, CVT: tl.constexpr, FMA: tl.constexpr, PDL: tl.constexpr):
         """Weights in FORMAT (``quant_tiles``): routed gate / up W*, their group scales C*, per-row
         scales R* (leading expert strides *_e); the shared expert's S*, SC*, SR*. ACT ``SWIGLU``:
         ``silu(gate x) * (up x)``; ``RELU2``: ``relu(up x)^2``; ``LINEAR``: ``up x`` (the gate
-        arguments unread but by SwiGLU)."""
+        arguments unread but by SwiGLU). FMA: products summed once after the K loop
+        (``weight_fma``) instead of at every step (``weight_dot``), a candidate of
+        ``benchmarks/tune_moe.py``'s sweep that no default picks until it is timed on a GPU."""
         wait_prior(PDL)
         GATED: tl.constexpr = ACT == 0
         p = tl.program_id(0)
@@ -140,13 +142,24 @@ if triton is not None:
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n  # the grid spans max(N, NS) rows: the narrower kind masks the rest
         x_off = tok * K
-        g = tl.zeros([BLOCK_N], tl.float32)
-        u = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xs = x_step(X, x_off, k0, K, FORMAT, BLOCK_K)  # once for gate and up
-            if GATED:
-                g += weight_dot(wg, cg, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K, CVT)
-            u += weight_dot(wu, cu, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K, CVT)
+        if FMA:
+            ga = tl.zeros([BLOCK_N, BLOCK_K // 16, 8] if FORMAT == 1 else [BLOCK_N, BLOCK_K], tl.float32)
+            ua = tl.zeros_like(ga)
+            for k0 in range(0, K, BLOCK_K):
+                xs = x_step(X, x_off, k0, K, FORMAT, BLOCK_K)
+                if GATED:
+                    ga = weight_fma(wg, cg, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, ga, FORMAT, BLOCK_K, CVT)
+                ua = weight_fma(wu, cu, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, ua, FORMAT, BLOCK_K, CVT)
+            g = fma_sum(ga, FORMAT)
+            u = fma_sum(ua, FORMAT)
+        else:
+            g = tl.zeros([BLOCK_N], tl.float32)
+            u = tl.zeros([BLOCK_N], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xs = x_step(X, x_off, k0, K, FORMAT, BLOCK_K)  # once for gate and up
+                if GATED:
+                    g += weight_dot(wg, cg, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K, CVT)
+                u += weight_dot(wu, cu, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K, CVT)
         dt = OUT.dtype.element_ty
         u = row_scale(u, tl.where(sh, SRU, RU + e * stride_re), rows, row_ok, FORMAT)
         u = u.to(dt).to(tl.float32)  # the reference rounds each projection to the activation dtype
@@ -387,7 +400,8 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
     buf = torch.empty(P * N + Ts * Ns, device=x.device, dtype=x.dtype)
     if P + Ts:
         (bn, bk), warps = pair_tiles(g.format, act, P + Ts >= 32)
-        cfg = {"BLOCK_N": launch_tile(bn, max(N, Ns)), "BLOCK_K": _block_k(g, bk, K), "num_warps": warps, **launch}
+        cfg = {"BLOCK_N": launch_tile(bn, max(N, Ns)), "BLOCK_K": _block_k(g, bk, K), "num_warps": warps, "FMA": False,
+               **launch}
         we, wn, ce, cn = g.strides()
         _swiglu_gemv_kernel[(P + Ts, triton.cdiv(max(N, Ns), cfg["BLOCK_N"]))](
             x.contiguous(), g.weight, u.weight, g.scale, u.scale, g.rows, u.rows, idx.contiguous(),

@@ -215,8 +215,8 @@ if triton is not None:
                    CVT: tl.constexpr):
         """``acc`` plus K step ``[k0, k0 + BLOCK_K)``'s products of every row's weights (group scales
         applied) and the step's inputs ``xs`` (``x_step``), kept per input position: NVFP4 [rows,
-        BLOCK_K / 16, 8] (each byte's even and odd input summed), FP8 [rows, BLOCK_K]. The sum over
-        K waits for the caller's end of the loop: a step moves nothing between threads, and the
+        BLOCK_K / 16, 8] (each byte's even and odd input summed), FP8 and float [rows, BLOCK_K]. The
+        sum over K (``fma_sum``) waits for the caller's end of the loop: a step moves nothing between threads, and the
         weight never passes through shared memory (the tensor-core tiles' fp16 weights do, twice:
         ncu on an H100 found ``skinny_linear``'s one-row NVFP4 launch bound by L1 / shared-memory
         traffic at 80% of its peak, DRAM at 17%: ``h100/tuning/ncu_skinny_linear_nvfp4.txt``).
@@ -236,8 +236,17 @@ if triton is not None:
         else:
             ks = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(tl.expand_dims(W + w_rows, -1) + ks, mask=ok & (ks < K), other=0.0).to(tl.float32)
-            return acc + w * tl.expand_dims(xe, -2) * tl.expand_dims(
-                tl.load(S + s_rows + k0 // 128, mask=row_ok, other=0.0), -1)
+            if FORMAT == 2:
+                w = w * tl.expand_dims(tl.load(S + s_rows + k0 // 128, mask=row_ok, other=0.0), -1)
+            return acc + w * tl.expand_dims(xe, -2)
+
+    @triton.jit
+    def fma_sum(acc, FORMAT: tl.constexpr):
+        """A ``weight_fma`` accumulator's rows summed: [rows]."""
+        if FORMAT == 1:
+            return tl.sum(tl.sum(acc, 2), 1)
+        else:
+            return tl.sum(acc, 1)
 
     @triton.jit
     def row_scale(acc, R, r_rows, row_ok, FORMAT: tl.constexpr):
