@@ -64,9 +64,9 @@ if triton is not None:
         per K step (``weight_tile_dot``, any weight format): a [len(ts), len(cols)] tile (rows and
         columns past ``t_ok`` / ``col_ok`` are 0)."""
         acc = tl.zeros([ts.shape[0], cols.shape[0]], tl.float32)
-        sc = tile_scales(S, stride_sn, cols, col_ok, k_lo, K, FORMAT, BLOCK_K)
+        sc = tile_scales(S, cols * stride_sn, col_ok, k_lo, K, FORMAT, BLOCK_K)
         for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
-            nxt = tile_scales(S, stride_sn, cols, col_ok, k0 + BLOCK_K, K, FORMAT, BLOCK_K)  # a step ahead
+            nxt = tile_scales(S, cols * stride_sn, col_ok, k0 + BLOCK_K, K, FORMAT, BLOCK_K)  # a step ahead
             acc = weight_tile_dot(X, W, stride_xt, stride_wn, ts, t_ok, cols, col_ok, k0, K, sc, acc,
                                   FORMAT, WIDEN, PREC, BLOCK_K, CVT)
             sc = nxt

@@ -100,6 +100,51 @@ def same_layout(a: KernelWeight, b: KernelWeight) -> bool:
 if triton is not None:
     from wmtp.kernels.common import wait_prior
 
+    # PTX of the e2m1 decode (``e2m1_pairs``, ``e2m1_scaled_f16``): the nibbles of four packed bytes
+    # (register IN) moved where e4m3 bytes have their bits, then converted two an instruction: p0, p1
+    # the low nibbles' f16x2 pairs (bytes 0-1, 2-3), p2, p3 the high nibbles'
+    _E2M1_TO_F16X2 = """
+    .reg .b32 lo, hi, t, p<4>;
+    .reg .b16 l<2>, h<2>, f<8>;
+    and.b32 lo, IN, 0x07070707;
+    shl.b32 lo, lo, 2;
+    and.b32 t, IN, 0x08080808;
+    shl.b32 t, t, 4;
+    or.b32 lo, lo, t;
+    shr.u32 hi, IN, 2;
+    and.b32 hi, hi, 0x1C1C1C1C;
+    and.b32 t, IN, 0x80808080;
+    or.b32 hi, hi, t;
+    mov.b32 {l0, l1}, lo;
+    mov.b32 {h0, h1}, hi;
+    cvt.rn.f16x2.e4m3x2 p0, l0;
+    cvt.rn.f16x2.e4m3x2 p1, l1;
+    cvt.rn.f16x2.e4m3x2 p2, h0;
+    cvt.rn.f16x2.e4m3x2 p3, h1;
+    """
+    # eight fp32 outputs ($0..$7: the low nibbles' values, then the high ones') from input $8
+    _E2M1_PAIRS_F32 = tl.constexpr("{" + _E2M1_TO_F16X2.replace("IN", "$8") + """
+    mov.b32 {f0, f1}, p0;
+    mov.b32 {f2, f3}, p1;
+    mov.b32 {f4, f5}, p2;
+    mov.b32 {f6, f7}, p3;
+    cvt.f32.f16 $0, f0;
+    cvt.f32.f16 $1, f1;
+    cvt.f32.f16 $2, f2;
+    cvt.f32.f16 $3, f3;
+    cvt.f32.f16 $4, f4;
+    cvt.f32.f16 $5, f5;
+    cvt.f32.f16 $6, f6;
+    cvt.f32.f16 $7, f7;
+    }""")
+    # four f16x2 outputs ($0, $1 low nibbles, $2, $3 high) from input $4, times the scales $5, $6
+    _E2M1_SCALED_F16 = tl.constexpr("{" + _E2M1_TO_F16X2.replace("IN", "$4") + """
+    mul.rn.f16x2 $0, p0, $5;
+    mul.rn.f16x2 $1, p1, $6;
+    mul.rn.f16x2 $2, p2, $5;
+    mul.rn.f16x2 $3, p3, $6;
+    }""")
+
     @triton.jit
     def _e2m1_f16(codes):
         """e2m1 codes (uint8, 0..15; bit 3 the sign) -> their values times 2^-14 in fp32: the
@@ -123,42 +168,8 @@ if triton is not None:
         ``cvt.rn.f16x2.e4m3x2`` converts two values an instruction (sm_89+), against about ten
         integer and float ops a value for the fp16 bit placement, which bound the NVFP4 GEMVs."""
         if CVT:
-            return tl.inline_asm_elementwise(
-                asm="""
-                {
-                .reg .b32 lo, hi, t, p<4>;
-                .reg .b16 l<2>, h<2>, f<8>;
-                and.b32 lo, $8, 0x07070707;
-                shl.b32 lo, lo, 2;
-                and.b32 t, $8, 0x08080808;
-                shl.b32 t, t, 4;
-                or.b32 lo, lo, t;
-                shr.u32 hi, $8, 2;
-                and.b32 hi, hi, 0x1C1C1C1C;
-                and.b32 t, $8, 0x80808080;
-                or.b32 hi, hi, t;
-                mov.b32 {l0, l1}, lo;
-                mov.b32 {h0, h1}, hi;
-                cvt.rn.f16x2.e4m3x2 p0, l0;
-                cvt.rn.f16x2.e4m3x2 p1, l1;
-                cvt.rn.f16x2.e4m3x2 p2, h0;
-                cvt.rn.f16x2.e4m3x2 p3, h1;
-                mov.b32 {f0, f1}, p0;
-                mov.b32 {f2, f3}, p1;
-                mov.b32 {f4, f5}, p2;
-                mov.b32 {f6, f7}, p3;
-                cvt.f32.f16 $0, f0;
-                cvt.f32.f16 $1, f1;
-                cvt.f32.f16 $2, f2;
-                cvt.f32.f16 $3, f3;
-                cvt.f32.f16 $4, f4;
-                cvt.f32.f16 $5, f5;
-                cvt.f32.f16 $6, f6;
-                cvt.f32.f16 $7, f7;
-                }
-                """,
-                constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
-                args=[b], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+            return tl.inline_asm_elementwise(asm=_E2M1_PAIRS_F32, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+                                             args=[b], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
         else:
             return _e2m1_f16(b & 15) * 256.0, _e2m1_f16(b >> 4) * 256.0
 
@@ -216,8 +227,9 @@ if triton is not None:
         """``acc`` plus K step ``[k0, k0 + BLOCK_K)``'s products of every row's weights (group scales
         applied) and the step's inputs ``xs`` (``x_step``), kept per input position: NVFP4 [rows,
         BLOCK_K / 16, 8] (each byte's even and odd input summed), FP8 and float [rows, BLOCK_K]. The
-        sum over K (``fma_sum``) waits for the caller's end of the loop: a step moves nothing between threads, and the
-        weight never passes through shared memory (the tensor-core tiles' fp16 weights do, twice:
+        sum over K (``fma_sum``) waits for the caller's end of the loop: a step moves nothing
+        between threads, and the weight never passes through shared memory (the tensor-core tiles'
+        fp16 weights do, twice:
         ncu on an H100 found ``skinny_linear``'s one-row NVFP4 launch bound by L1 / shared-memory
         traffic at 80% of its peak, DRAM at 17%: ``h100/tuning/ncu_skinny_linear_nvfp4.txt``).
         Products exact (fp16 weight times fp32 x), accumulated in fp32."""
@@ -229,15 +241,14 @@ if triton is not None:
             kb = k0 // 2 + g[:, None] * 8 + tl.arange(0, 8)[None, :]
             b = tl.load(tl.expand_dims(tl.expand_dims(W + w_rows, -1), -1) + kb,
                         mask=tl.expand_dims(ok, -1) & (kb < K // 2), other=0)
-            gs = k0 // 16 + g
-            sc = tl.load(S + tl.expand_dims(s_rows, -1) + gs, mask=ok & (gs < K // 16), other=0.0).to(tl.float16) * 64.0
+            sc = tile_scales(S, s_rows, row_ok, k0, K, FORMAT, BLOCK_K)
             lo, hi = e2m1_scaled_f16(b, tl.broadcast_to(tl.expand_dims(sc, -1), b.shape), CVT)
             return acc + lo.to(tl.float32) * tl.expand_dims(xe, -3) + hi.to(tl.float32) * tl.expand_dims(xo, -3)
         else:
             ks = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(tl.expand_dims(W + w_rows, -1) + ks, mask=ok & (ks < K), other=0.0).to(tl.float32)
             if FORMAT == 2:
-                w = w * tl.expand_dims(tl.load(S + s_rows + k0 // 128, mask=row_ok, other=0.0), -1)
+                w = w * tl.expand_dims(tile_scales(S, s_rows, row_ok, k0, K, FORMAT, BLOCK_K), -1)
             return acc + w * tl.expand_dims(xe, -2)
 
     @triton.jit
@@ -264,34 +275,8 @@ if triton is not None:
         instruction converts two to an f16x2 and one f16x2 multiply scales them: no fp32 on the way,
         which left the tensor-core linears issuing about 18 instructions a weight byte."""
         if CVT:
-            return tl.inline_asm_elementwise(
-                asm="""
-                {
-                .reg .b32 lo, hi, t, p<4>;
-                .reg .b16 l<2>, h<2>;
-                and.b32 lo, $4, 0x07070707;
-                shl.b32 lo, lo, 2;
-                and.b32 t, $4, 0x08080808;
-                shl.b32 t, t, 4;
-                or.b32 lo, lo, t;
-                shr.u32 hi, $4, 2;
-                and.b32 hi, hi, 0x1C1C1C1C;
-                and.b32 t, $4, 0x80808080;
-                or.b32 hi, hi, t;
-                mov.b32 {l0, l1}, lo;
-                mov.b32 {h0, h1}, hi;
-                cvt.rn.f16x2.e4m3x2 p0, l0;
-                cvt.rn.f16x2.e4m3x2 p1, l1;
-                cvt.rn.f16x2.e4m3x2 p2, h0;
-                cvt.rn.f16x2.e4m3x2 p3, h1;
-                mul.rn.f16x2 $0, p0, $5;
-                mul.rn.f16x2 $1, p1, $6;
-                mul.rn.f16x2 $2, p2, $5;
-                mul.rn.f16x2 $3, p3, $6;
-                }
-                """,
-                constraints="=r,=r,=r,=r,r,r,r",
-                args=[b, scale], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            return tl.inline_asm_elementwise(asm=_E2M1_SCALED_F16, constraints="=r,=r,=r,=r,r,r,r",
+                                             args=[b, scale], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
         else:  # the fp16 bit placement's value * 2^-14, times 256: value / 64 (exact, subnormals too)
             return (_e2m1_f16(b & 15).to(tl.float16) * 256.0) * scale, (_e2m1_f16(b >> 4).to(tl.float16) * 256.0) * scale
 
@@ -308,18 +293,19 @@ if triton is not None:
         return (xf * up[:, None]).to(tl.float16), down[:, None]
 
     @triton.jit
-    def tile_scales(S, stride_sn, cols, col_ok, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The scales ``weight_tile_dot`` applies in K step ``[k0, k0 + BLOCK_K)`` to the weight rows
-        ``cols``: NVFP4's group scales times 64 as fp16 [cols, BLOCK_K / 16], FP8's block scale
-        [cols] (fp32), nothing for float weights. Loaded by the caller a step ahead: the scales are
-        single bytes (no asynchronous copy takes them), and an NVFP4 tile cannot dequantize before
-        its scales arrive, so a load in the step itself left the memory latency in every step."""
+    def tile_scales(S, s_rows, row_ok, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The scales of K step ``[k0, k0 + BLOCK_K)`` for the weight rows at offsets ``s_rows`` into
+        S: NVFP4's group scales times 64 as fp16 [rows, BLOCK_K / 16] (e2m1 values decode / 64),
+        FP8's block scale [rows] (fp32), nothing for float weights. ``split_dot`` loads them a step
+        ahead: the scales are single bytes (no asynchronous copy takes them), and an NVFP4 tile
+        cannot dequantize before its scales arrive, so a load in the step itself left the memory
+        latency in every step."""
         if FORMAT == 1:
             gs = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-            return tl.load(S + cols[:, None] * stride_sn + gs[None, :], mask=col_ok[:, None] & (gs < K // 16)[None, :],
-                           other=0.0).to(tl.float16) * 64.0  # e2m1 values decode / 64
+            return tl.load(S + tl.expand_dims(s_rows, -1) + gs, mask=tl.expand_dims(row_ok, -1) & (gs < K // 16),
+                           other=0.0).to(tl.float16) * 64.0
         elif FORMAT == 2:
-            return tl.load(S + cols * stride_sn + k0 // 128, mask=col_ok & (k0 < K), other=0.0)
+            return tl.load(S + s_rows + k0 // 128, mask=row_ok & (k0 < K), other=0.0)
         else:
             return tl.zeros([1], tl.float32)
 
@@ -330,10 +316,9 @@ if triton is not None:
         """``acc + X[ts, k0:k0+BLOCK_K] @ weight[cols, k0:k0+BLOCK_K].T`` by tensor-core dots (rows of X
         padded to the dot's 16). A quantized weight tile is dequantized to fp16, exactly (an NVFP4
         value times its fp8 scale has at most 6 significant bits, an fp8 value 4, all inside fp16's
-        range), and a 16-bit X's step scaled into fp16 by a power of 2 per row (``f16_rows``; an fp32 X
-        multiplies the fp32 weights); FP8's block
-        scale (BLOCK_K divides 128) multiplies the step's dot. ``sc``: the step's ``tile_scales``.
-        NVFP4's second level: not here."""
+        range), and a 16-bit X's step scaled into fp16 by a power of 2 per row (``f16_rows``; an
+        fp32 X multiplies the fp32 weights); FP8's block scale (BLOCK_K divides 128) multiplies the
+        step's dot. ``sc``: the step's ``tile_scales``. NVFP4's second level: not here."""
         BN: tl.constexpr = cols.shape[0]
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
