@@ -13,9 +13,13 @@ A kernel takes a weight as ``KernelWeight`` (``kernel_weight``): a FORMAT code a
 ``x_step`` loaded once for every weight reading them; the NVFP4 tile is loaded as [rows, groups, 8]
 bytes (each group's 8 bytes contiguous: one vector load, its scale once) against the even and odd
 inputs of x, and the group scale multiplies the group's sum; the second level
-(``row_scale``) multiplies the row's total once. e2m1 codes decode by bit placement, not by a table
-or exp2: on GPUs of compute capability 8.9+ (``e2m1_cvt``) into e4m3 bytes that one instruction
-converts two at a time (``e2m1_pairs``), elsewhere into fp16 bits (``e2m1_values``).
+(``row_scale``) multiplies the row's total once; ``weight_fma`` is the same step with the products
+kept per input position and summed after the K loop. ``weight_tile_dot`` is a K step of the skinny
+linears' tensor-core dot: the weight tile dequantized exactly to fp16 (``e2m1_scaled_f16``) against
+x scaled into fp16 by a power of 2 per row (``f16_rows``). e2m1 codes decode by bit placement, not
+by a table or exp2: on GPUs of compute capability 8.9+ (``e2m1_cvt``) into e4m3 bytes that one
+instruction converts two at a time (``e2m1_pairs``, ``e2m1_scaled_f16``), elsewhere into fp16 bits
+(``e2m1_values``).
 """
 
 from __future__ import annotations
