@@ -41,6 +41,15 @@ def _plain_norm(name: str, model: torch.nn.Module) -> bool:
     return (not hybrid) or name.endswith("linear_attn.norm.weight")
 
 
+def close_to_twin(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """A quantized-weight kernel's output against its twin's, same dtype and shape: fp32 within 1e-5
+    of the largest value (sums in another order); bf16 within an output rounding (2^-8) plus the CPU
+    interpreter's truncating casts (1e-2)."""
+    rel = 1e-5 if want.dtype == torch.float32 else 1e-2
+    return got.dtype == want.dtype and got.shape == want.shape and \
+        (got.float() - want.float()).abs().max().item() <= rel * want.float().abs().max().item()
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 

@@ -49,6 +49,15 @@ def cases() -> dict[str, tuple]:
              "COUNT": "*i32", **_ints("T", "N", "K", "stride_xt", "stride_wn", "stride_sn", "stride_ot", "K_SPLIT")},
             dict(FORMAT=code, HAS_BIAS=False, SPLITS=4, WIDEN=False, PREC="tf32", T_P=1, BLOCK_N=bn,
                  BLOCK_K=min(bk, 128) if fmt == "fp8" else bk, CVT=cvt, GEMV=True, PDL=True))
+    # the grouped GEMM over quantized experts (prefill), at its default tiles
+    for fmt, cvt in CVT:
+        code, w, s = QUANT_FORMATS[fmt]
+        out[f"grouped_quant_mm-{fmt}-cvt{int(cvt)}"] = (
+            "wmtp.kernels.grouped:_grouped_quant_mm_kernel",
+            {"X": "*bf16", "W": w, "S": s, "R": "*fp32", "OUT": "*bf16", "OFFS": "*i32", "TILE_ENDS": "*i32",
+             **_ints("E", "N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_re",
+                     "stride_ot")},
+            dict(FORMAT=code, WIDEN=False, PREC="tf32", BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, CVT=cvt), {"num_warps": 8})
     from wmtp.kernels.moe import down_combine_tiles, pair_tiles
 
     # the MoE kernels at the tiles the engine launches them with (a token's, a verify's)

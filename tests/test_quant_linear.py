@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from tests.helpers import close_to_twin as _close  # noqa: E402
+
 from wmtp.kernels.linear import MAX_ROWS, QUANT_MAX_ROWS, LinearTiles, decode_linear, skinny_linear  # noqa: E402
 from wmtp.quant import FP8Block, FP8Tensor, NVFP4, QuantWeight  # noqa: E402
 
@@ -24,14 +26,6 @@ def _weight(fmt, parts: list[int], k: int, seed: int) -> QuantWeight:
     per_part = [fmt.to_model(fmt.quantize(torch.randn(n, k, generator=g) * k**-0.5), n) for n in parts]
     t = {s: torch.cat([p[s] for p in per_part]).to(DEVICE) for s in fmt.suffixes}
     return QuantWeight(fmt, t, k)
-
-
-def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """fp32: 1e-5 of the largest value (sums in another order); bf16: an output rounding (2^-8)
-    plus the CPU interpreter's truncating casts."""
-    rel = 1e-5 if want.dtype == torch.float32 else 1e-2
-    return got.dtype == want.dtype and got.shape == want.shape and \
-        (got.float() - want.float()).abs().max().item() <= rel * want.float().abs().max().item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])

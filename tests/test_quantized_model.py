@@ -285,3 +285,32 @@ def test_triton_backend_emits_the_twins_tokens(preset, fmt, monkeypatch):
         if backend == "triton":
             assert llm.engine.graphs, "the static decode iteration did not run"
     assert outs[0] == outs[1] and calls["linear"] and calls["moe"], calls
+
+
+
+@pytest.mark.whole_tiles
+@pytest.mark.parametrize("preset,fmt", [("tiny-qwen3.5-moe", "nvfp4"), ("tiny-qwen3.5-moe", "fp8"),
+                                        ("tiny-nemotron-h-nvfp4", None)])
+def test_fused_quant_moe_prefill_emits_the_twins_tokens(preset, fmt, monkeypatch):
+    """``WMTP_FUSED_QUANT_MOE=1``: prefill chunks of more (token, expert) pairs than the GEMVs take
+    read the packed experts inside the grouped GEMM (``grouped_quant_mm``) instead of dequantizing
+    them first, and the engine emits the torch backend's greedy tokens (on the CPU the grouped path,
+    bf16 and CUDA only in the engine, is taken in fp32 under the interpreter)."""
+    import wmtp.kernels.grouped as grouped
+    import wmtp.kernels.moe as qm
+    from tests.helpers import tiny_model
+
+    calls, real = [], grouped.grouped_quant_mm
+    monkeypatch.setattr(grouped, "grouped_quant_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    spec = SpecConfig(mode="windowed", num_draft_tokens=3, window=8, sink=2)
+    prompts = [[7, 11, 5] * 45]  # 135 tokens: 270 pairs, more than MAX_GEMV_PAIRS, in one chunk
+    outs = []
+    for backend in ("torch", "triton"):
+        if backend == "triton":
+            monkeypatch.setenv("WMTP_FUSED_QUANT_MOE", "1")
+            if DEVICE == "cpu":
+                monkeypatch.setattr(qm, "grouped_mm_supported", lambda x: True)
+        llm = LLM(tiny_model(preset, DEVICE, backend=backend, quantize=fmt), spec=spec, max_model_len=192,
+                  max_num_seqs=2, prefill_chunk=160)
+        outs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))])
+    assert outs[0] == outs[1] and calls

@@ -59,7 +59,7 @@ if triton is not None:
     @triton.jit
     def split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, k_lo, K_SPLIT, K,
                   FORMAT: tl.constexpr, WIDEN: tl.constexpr, PREC: tl.constexpr, BLOCK_K: tl.constexpr,
-                  CVT: tl.constexpr):
+                  CVT: tl.constexpr, PAIRS: tl.constexpr = False):
         """fp32 ``X[ts] @ W[cols].T`` over this program's K split ``[k_lo, k_lo + K_SPLIT)``, one dot
         per K step (``weight_tile_dot``, any weight format): a [len(ts), len(cols)] tile (rows and
         columns past ``t_ok`` / ``col_ok`` are 0)."""
@@ -68,7 +68,7 @@ if triton is not None:
         for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
             nxt = tile_scales(S, cols * stride_sn, col_ok, k0 + BLOCK_K, K, FORMAT, BLOCK_K)  # a step ahead
             acc = weight_tile_dot(X, W, stride_xt, stride_wn, ts, t_ok, cols, col_ok, k0, K, sc, acc,
-                                  FORMAT, WIDEN, PREC, BLOCK_K, CVT)
+                                  FORMAT, WIDEN, PREC, BLOCK_K, CVT, PAIRS)
             sc = nxt
         return acc
 

@@ -527,12 +527,22 @@ def routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_pro
     return out if shared is None else out + shared_expert_reference(x, shared)
 
 
-def grouped_experts(x: torch.Tensor, first: torch.Tensor, down: torch.Tensor, top_w: torch.Tensor,
+def _grouped_mm(x: torch.Tensor, w: Weight, offs: torch.Tensor) -> torch.Tensor:
+    """x's expert-sorted rows times their experts' ``w`` [E, N, K]: torch's grouped GEMM, or over
+    quantized experts ``grouped.grouped_quant_mm``."""
+    if isinstance(w, QuantWeight):
+        from wmtp.kernels.grouped import grouped_quant_mm
+
+        return grouped_quant_mm(x, w, offs)
+    return F.grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+
+def grouped_experts(x: torch.Tensor, first: Weight, down: Weight, top_w: torch.Tensor,
                     top_i: torch.Tensor, gated: bool) -> torch.Tensor:
     """``sum_k top_w[t, k] * expert_{top_i[t, k]}(x[t])`` for many tokens: the (token, expert) pairs
     sorted by expert and each expert's rows through two grouped GEMMs (``first`` gate_up [E, 2I, H]
-    for SwiGLU, up [E, I, H] for ReLU² when not ``gated``; down [E, H, I]). Expert offsets are
-    counted on the device (no host sync, so it is graph-capturable too)."""
+    for SwiGLU, up [E, I, H] for ReLU² when not ``gated``; down [E, H, I]; float or quantized).
+    Expert offsets are counted on the device (no host sync, so it is graph-capturable too)."""
     top_k = top_i.shape[1]
     n_exp, inter = first.shape[0], down.shape[-1]
     flat = top_i.flatten()
@@ -540,11 +550,11 @@ def grouped_experts(x: torch.Tensor, first: torch.Tensor, down: torch.Tensor, to
     counts = torch.zeros(n_exp, dtype=torch.int32, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    h = F.grouped_mm(x[order // top_k], first.transpose(1, 2), offs=offs)
+    h = _grouped_mm(x[order // top_k], first, offs)
     h = F.silu(h[:, :inter]) * h[:, inter:] if gated else F.relu(h).square()
     pos = torch.empty_like(order)
     pos[order] = torch.arange(order.numel(), device=x.device)
-    return combine_sorted(F.grouped_mm(h, down.transpose(1, 2), offs=offs), pos, top_w)
+    return combine_sorted(_grouped_mm(h, down, offs), pos, top_w)
 
 
 def relu2_moe_gemv(x: torch.Tensor, latent: torch.Tensor, routing: SigmoidRouting, up: Weight,

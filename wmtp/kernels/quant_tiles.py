@@ -316,13 +316,17 @@ if triton is not None:
     @triton.jit
     def weight_tile_dot(X, W, stride_xt, stride_wn, ts, t_ok, cols, col_ok, k0, K, sc, acc,
                         FORMAT: tl.constexpr, WIDEN: tl.constexpr, PREC: tl.constexpr, BLOCK_K: tl.constexpr,
-                        CVT: tl.constexpr):
+                        CVT: tl.constexpr, PAIRS: tl.constexpr = False):
         """``acc + X[ts, k0:k0+BLOCK_K] @ weight[cols, k0:k0+BLOCK_K].T`` by tensor-core dots (rows of X
         padded to the dot's 16). A quantized weight tile is dequantized to fp16, exactly (an NVFP4
         value times its fp8 scale has at most 6 significant bits, an fp8 value 4, all inside fp16's
         range), and a 16-bit X's step scaled into fp16 by a power of 2 per row (``f16_rows``; an
         fp32 X multiplies the fp32 weights); FP8's block scale (BLOCK_K divides 128) multiplies the
-        step's dot. ``sc``: the step's ``tile_scales``. NVFP4's second level: not here."""
+        step's dot. ``sc``: the step's ``tile_scales``. NVFP4's second level: not here. PAIRS: an
+        NVFP4 tile as two dots, the bytes' low nibbles against x's even inputs and the high ones
+        against its odd inputs, instead of one over the nibbles joined in K's order: Triton 3.6
+        fails to compile the joined tile into a wgmma (64 rows and more: ``grouped``) and compiles
+        this."""
         BN: tl.constexpr = cols.shape[0]
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -339,6 +343,20 @@ if triton is not None:
             kb = k0 // 2 + g[:, None] * 8 + tl.arange(0, 8)[None, :]
             b = tl.load(W + cols[:, None, None] * stride_wn + kb, mask=col_ok[:, None, None] & (kb < K // 2), other=0)
             lo, hi = e2m1_scaled_f16(b, tl.broadcast_to(sc[:, :, None], (BN, G, 8)), CVT)
+            if PAIRS:
+                lo = tl.reshape(lo, (BN, BLOCK_K // 2))
+                hi = tl.reshape(hi, (BN, BLOCK_K // 2))
+                if X.dtype.element_ty == tl.float32:  # fp32 x: fp32 dots over the exact weights
+                    xe, xo = tl.split(tl.reshape(xv, (xv.shape[0], BLOCK_K // 2, 2)))
+                    part = tl.dot(xe, tl.trans(lo.to(tl.float32)), input_precision=PREC)
+                    return acc + tl.dot(xo, tl.trans(hi.to(tl.float32)), part, input_precision=PREC)
+                else:
+                    xs, down = f16_rows(xv)
+                    xe, xo = tl.split(tl.reshape(xs, (xs.shape[0], BLOCK_K // 2, 2)))
+                    if WIDEN:
+                        xe, xo, lo, hi = xe.to(tl.float32), xo.to(tl.float32), lo.to(tl.float32), hi.to(tl.float32)
+                    part = tl.dot(xe, tl.trans(lo), input_precision=PREC)
+                    return acc + tl.dot(xo, tl.trans(hi), part, input_precision=PREC) * down
             wv = tl.reshape(tl.join(lo, hi), (BN, BLOCK_K))  # input 2j + 1 beside 2j: K's own order
         else:
             wv = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
