@@ -85,6 +85,9 @@ if [[ $parts == *rows* ]]; then
   run "tune attention rows 32 heads" python3 benchmarks/tune_attention.py --q-lens 7 --heads 32 --rows 64,128 \
     --block-n 32,64 --warps 4,8 --stages 2,3 --out "$WORK/tune_attention_rows_32h.json"
 fi
+# the prefill MoE's grouped GEMM over packed experts against dequantize + F.grouped_mm, side by side (grouped)
+[[ $parts == *grouped* ]] && run "tune grouped" python3 benchmarks/tune_grouped.py --quantize nvfp4 \
+  --out "$WORK/tune_grouped_nvfp4.json"
 # the prefill attention kernel against SDPA's backends at the same head shape, side by side (prefill)
 [[ $parts == *prefill* ]] && run "prefill attention" python3 benchmarks/prefill_attention.py --contexts 131072,1040000 \
   --chunk 16384 --out "$WORK/prefill_attention.json"
