@@ -57,7 +57,8 @@ def cases() -> dict[str, tuple]:
             {"X": "*bf16", "W": w, "S": s, "R": "*fp32", "OUT": "*bf16", "OFFS": "*i32", "TILE_ENDS": "*i32",
              **_ints("E", "N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_re",
                      "stride_ot")},
-            dict(FORMAT=code, WIDEN=False, PREC="tf32", BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, CVT=cvt), {"num_warps": 8})
+            dict(FORMAT=code, WIDEN=False, PREC="tf32", BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, CVT=cvt, PDL=True),
+            {"num_warps": 8})
     from wmtp.kernels.moe import down_combine_tiles, pair_tiles
 
     # the MoE kernels at the tiles the engine launches them with (a token's, a verify's)

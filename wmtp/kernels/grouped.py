@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from wmtp.kernels.common import pdl
 from wmtp.kernels.linear import dot_flags
 from wmtp.kernels.quant_tiles import NVFP4_CODE, e2m1_cvt, kernel_weight
 from wmtp.quant import QuantWeight
@@ -32,6 +33,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 if triton is not None:
+    from wmtp.kernels.common import wait_prior
     from wmtp.kernels.linear import split_dot
     from wmtp.kernels.quant_tiles import row_scale
 
@@ -39,9 +41,11 @@ if triton is not None:
     def _grouped_quant_mm_kernel(X, W, S, R, OUT, OFFS, TILE_ENDS, E, N, K, stride_xt, stride_we, stride_wn,
                                  stride_se, stride_sn, stride_re, stride_ot, FORMAT: tl.constexpr,
                                  WIDEN: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CVT: tl.constexpr):
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CVT: tl.constexpr,
+                                 PDL: tl.constexpr):
         """OUT[rows of expert e] = X[rows] @ dequantize(W[e]).T; TILE_ENDS[e]: the row blocks of
         experts 0..e (cumulative), OFFS[e]: the end of expert e's rows."""
+        wait_prior(PDL)
         t = tl.program_id(0)
         if t < tl.load(TILE_ENDS + E - 1):
             lo = 0
@@ -97,5 +101,5 @@ def grouped_quant_mm(x: torch.Tensor, w: QuantWeight, offs: torch.Tensor, block_
         _grouped_quant_mm_kernel[grid](
             x, kw.weight, kw.scale, kw.rows, out, offs.to(torch.int32), tile_ends, E, N, kw.k, x.stride(0), we, wn, se,
             sn, kw.rows_stride(), out.stride(0), FORMAT=kw.format, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=num_warps, num_stages=num_stages, **dot_flags(x.dtype), **e2m1_cvt(x.device))
+            num_warps=num_warps, num_stages=num_stages, **dot_flags(x.dtype), **e2m1_cvt(x.device), **pdl(x.device))
     return out
