@@ -337,38 +337,36 @@ if triton is not None:
                 xv = xv.to(tl.float32)
                 wv = wv.to(tl.float32)
             return tl.dot(xv, tl.trans(wv), acc, input_precision=PREC)
+        F32X: tl.constexpr = X.dtype.element_ty == tl.float32  # fp32 x: fp32 dots over the exact weights
         if FORMAT == 1:
             G: tl.constexpr = BLOCK_K // 16
             g = tl.arange(0, G)
             kb = k0 // 2 + g[:, None] * 8 + tl.arange(0, 8)[None, :]
             b = tl.load(W + cols[:, None, None] * stride_wn + kb, mask=col_ok[:, None, None] & (kb < K // 2), other=0)
             lo, hi = e2m1_scaled_f16(b, tl.broadcast_to(sc[:, :, None], (BN, G, 8)), CVT)
-            if PAIRS:
-                lo = tl.reshape(lo, (BN, BLOCK_K // 2))
-                hi = tl.reshape(hi, (BN, BLOCK_K // 2))
-                if X.dtype.element_ty == tl.float32:  # fp32 x: fp32 dots over the exact weights
-                    xe, xo = tl.split(tl.reshape(xv, (xv.shape[0], BLOCK_K // 2, 2)))
-                    part = tl.dot(xe, tl.trans(lo.to(tl.float32)), input_precision=PREC)
-                    return acc + tl.dot(xo, tl.trans(hi.to(tl.float32)), part, input_precision=PREC)
-                else:
-                    xs, down = f16_rows(xv)
-                    xe, xo = tl.split(tl.reshape(xs, (xs.shape[0], BLOCK_K // 2, 2)))
-                    if WIDEN:
-                        xe, xo, lo, hi = xe.to(tl.float32), xo.to(tl.float32), lo.to(tl.float32), hi.to(tl.float32)
-                    part = tl.dot(xe, tl.trans(lo), input_precision=PREC)
-                    return acc + tl.dot(xo, tl.trans(hi), part, input_precision=PREC) * down
-            wv = tl.reshape(tl.join(lo, hi), (BN, BLOCK_K))  # input 2j + 1 beside 2j: K's own order
+            if PAIRS:  # the low nibbles (even inputs), the high ones (odd inputs)
+                wa = tl.reshape(lo, (BN, BLOCK_K // 2))
+                wb = tl.reshape(hi, (BN, BLOCK_K // 2))
+            else:  # input 2j + 1 beside 2j: K's own order
+                wa = tl.reshape(tl.join(lo, hi), (BN, BLOCK_K))
+                wb = wa
         else:
-            wv = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
+            wa = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
                          other=0.0).to(tl.float16)
-        if X.dtype.element_ty == tl.float32:  # fp32 x: an fp32 dot over the exact weights
-            part = tl.dot(xv, tl.trans(wv.to(tl.float32)), input_precision=PREC)
+            wb = wa
+        if F32X:
+            xs = xv
         else:
             xs, down = f16_rows(xv)
-            if WIDEN:
-                xs = xs.to(tl.float32)
-                wv = wv.to(tl.float32)
-            part = tl.dot(xs, tl.trans(wv), input_precision=PREC) * down
+        if F32X or WIDEN:
+            xs, wa, wb = xs.to(tl.float32), wa.to(tl.float32), wb.to(tl.float32)
+        if PAIRS and FORMAT == 1:
+            xe, xo = tl.split(tl.reshape(xs, (xs.shape[0], BLOCK_K // 2, 2)))
+            part = tl.dot(xo, tl.trans(wb), tl.dot(xe, tl.trans(wa), input_precision=PREC), input_precision=PREC)
+        else:
+            part = tl.dot(xs, tl.trans(wa), input_precision=PREC)
+        if not F32X:
+            part = part * down
         if FORMAT == 2:
             part = part * sc[None, :]
         return acc + part
