@@ -42,7 +42,7 @@ kernel_tests=${TESTS:-"tests/test_decode_graphs.py tests/test_paged_attention.py
 quant_tests="tests/test_quant_linear.py tests/test_quant_moe.py tests/test_linear_kernel.py tests/test_moe_kernel.py
   tests/test_relu2_moe_kernel.py tests/test_grouped_kernel.py
   tests/test_quantized_model.py::test_triton_backend_emits_the_twins_tokens
-  tests/test_quantized_model.py::test_fused_quant_moe_prefill_emits_the_twins_tokens"
+  tests/test_quantized_model.py::test_grouped_quant_moe_matches_the_twin"
 [[ $parts == *qtests* ]] && run qtests python3 -m pytest -q -p no:cacheprovider $quant_tests
 for q in ${QTUNE//,/ }; do  # the quantized decode kernels' tile sweeps, per format
   run "tune linear $q" python3 benchmarks/tune_linear.py --quantize "$q" --tokens 1 --out "$WORK/tune_linear_$q.json"

@@ -288,29 +288,36 @@ def test_triton_backend_emits_the_twins_tokens(preset, fmt, monkeypatch):
 
 
 
-@pytest.mark.whole_tiles
+@pytest.mark.parametrize("fused", ["0", "1"])
 @pytest.mark.parametrize("preset,fmt", [("tiny-qwen3.5-moe", "nvfp4"), ("tiny-qwen3.5-moe", "fp8"),
                                         ("tiny-nemotron-h-nvfp4", None)])
-def test_fused_quant_moe_prefill_emits_the_twins_tokens(preset, fmt, monkeypatch):
-    """``WMTP_FUSED_QUANT_MOE=1``: prefill chunks of more (token, expert) pairs than the GEMVs take
-    read the packed experts inside the grouped GEMM (``grouped_quant_mm``) instead of dequantizing
-    them first, and the engine emits the torch backend's greedy tokens (on the CPU the grouped path,
-    bf16 and CUDA only in the engine, is taken in fp32 under the interpreter)."""
+def test_grouped_quant_moe_matches_the_twin(preset, fmt, fused, monkeypatch):
+    """A prefill chunk of more (token, expert) pairs than the GEMVs take runs the Triton backend's
+    grouped GEMMs over the quantized experts (SwiGLU MoE, Nemotron-H's latent ReLU² MoE): dequantized
+    in one pass for torch's grouped GEMM, or with ``WMTP_FUSED_QUANT_MOE=1`` read packed inside
+    ``grouped_quant_mm``. The MoE block's output equals the torch backend's (on the CPU the grouped
+    path, bf16 and CUDA only in the engine, is taken in fp32, the Triton kernels interpreted)."""
     import wmtp.kernels.grouped as grouped
     import wmtp.kernels.moe as qm
-    from tests.helpers import tiny_model
+    from tests.helpers import close_to_twin, tiny_model
+    from wmtp.models.layers import SparseMoE
+    from wmtp.models.nemotron_h import LatentMoE
 
-    calls, real = [], grouped.grouped_quant_mm
-    monkeypatch.setattr(grouped, "grouped_quant_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    spec = SpecConfig(mode="windowed", num_draft_tokens=3, window=8, sink=2)
-    prompts = [[7, 11, 5] * 45]  # 135 tokens: 270 pairs, more than MAX_GEMV_PAIRS, in one chunk
+    calls = {"grouped": 0, "fused": 0}
+
+    def spy(name, fn):
+        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
+
+    monkeypatch.setattr(qm, "_grouped_mm", spy("grouped", qm._grouped_mm))
+    monkeypatch.setattr(grouped, "grouped_quant_mm", spy("fused", grouped.grouped_quant_mm))
+    monkeypatch.setenv("WMTP_FUSED_QUANT_MOE", fused)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(qm, "grouped_mm_supported", lambda x: True)
     outs = []
     for backend in ("torch", "triton"):
-        if backend == "triton":
-            monkeypatch.setenv("WMTP_FUSED_QUANT_MOE", "1")
-            if DEVICE == "cpu":
-                monkeypatch.setattr(qm, "grouped_mm_supported", lambda x: True)
-        llm = LLM(tiny_model(preset, DEVICE, backend=backend, quantize=fmt), spec=spec, max_model_len=192,
-                  max_num_seqs=2, prefill_chunk=160)
-        outs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))])
-    assert outs[0] == outs[1] and calls
+        model = tiny_model(preset, DEVICE, backend=backend, quantize=fmt)
+        moe = next(m for m in model.modules() if isinstance(m, (SparseMoE, LatentMoE)))
+        x = torch.randn(135, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+        with torch.no_grad():  # 135 tokens: 270 pairs at top-2, more than MAX_GEMV_PAIRS
+            outs.append(moe(x.to(next(model.parameters()).dtype)))
+    assert close_to_twin(outs[1], outs[0]) and calls["grouped"] and (calls["fused"] > 0) == (fused == "1"), calls

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from wmtp.kernels.common import SharedExpert, SigmoidRouting, launch_tile, pdl
 from wmtp.kernels.linear import decode_linear
-from wmtp.kernels.quant_tiles import FLOAT, FP8_CODE, NVFP4_CODE, KernelWeight, e2m1_cvt, kernel_weight, same_layout
+from wmtp.kernels.quant_tiles import (FLOAT, FP8_CODE, NVFP4_CODE, KernelWeight, dequantize, e2m1_cvt, kernel_weight,
+                                       same_layout)
 from wmtp.quant import QuantWeight, dense
 
 try:
@@ -528,12 +529,15 @@ def routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_pro
 
 
 def _grouped_mm(x: torch.Tensor, w: Weight, offs: torch.Tensor) -> torch.Tensor:
-    """x's expert-sorted rows times their experts' ``w`` [E, N, K]: torch's grouped GEMM, or over
-    quantized experts ``grouped.grouped_quant_mm``."""
+    """x's expert-sorted rows times their experts' ``w`` [E, N, K]: torch's grouped GEMM, quantized
+    experts dequantized for it in one pass, or with ``WMTP_FUSED_QUANT_MOE=1`` read packed inside
+    ``grouped.grouped_quant_mm``."""
     if isinstance(w, QuantWeight):
-        from wmtp.kernels.grouped import grouped_quant_mm
+        from wmtp.kernels.grouped import fused_quant_moe, grouped_quant_mm
 
-        return grouped_quant_mm(x, w, offs)
+        if fused_quant_moe():
+            return grouped_quant_mm(x, w, offs)
+        w = dequantize(w, x.dtype)
     return F.grouped_mm(x, w.transpose(1, 2), offs=offs)
 
 

@@ -571,14 +571,8 @@ class TritonBackend(TorchBackend):
         if x.dtype == torch.float64:
             return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
         if isinstance(gate_up, QuantWeight) and x.shape[0] * top_k > MAX_GEMV_PAIRS:
-            if grouped_mm_supported(x):  # prefill: the experts dequantized once, then the grouped GEMMs
-                from wmtp.kernels.grouped import fused_quant_moe
-                from wmtp.kernels.quant_tiles import dequantize
-
-                if fused_quant_moe():  # (or read packed inside the GEMM)
-                    return routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
-                return routed_experts_grouped(x, router_weight, dequantize(gate_up, x.dtype), dequantize(down, x.dtype),
-                                              top_k, norm_topk_prob, shared)
+            if grouped_mm_supported(x):  # prefill: the grouped GEMMs over the quantized experts
+                return routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
             return super().moe(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
         if x.shape[0] * top_k <= MAX_GEMV_PAIRS:
             return moe_gemv(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
@@ -597,14 +591,9 @@ class TritonBackend(TorchBackend):
             return super().relu2_moe(x, latent, routing, up, down)
         if gemv and routing.n_group == 1:
             return relu2_moe_gemv(x, latent, routing, up, down)
-        if grouped_mm_supported(latent):  # prefill, large batches: quantized experts dequantized once
-            from wmtp.kernels.grouped import fused_quant_moe
-            from wmtp.kernels.quant_tiles import dequantize
-
-            as_float = (lambda w: dequantize(w, latent.dtype)  # noqa: E731
-                        if isinstance(w, QuantWeight) and not fused_quant_moe() else w)
+        if grouped_mm_supported(latent):  # prefill, large batches: the grouped GEMMs, float or quantized experts
             w, idx = sigmoid_route(x, routing)
-            return grouped_experts(latent, as_float(up), as_float(down), w, idx, gated=False)
+            return grouped_experts(latent, up, down, w, idx, gated=False)
         return super().relu2_moe(x, latent, routing, up, down)
 
     def gated_delta_net(self, mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, ssm_state, ctx, layer_idx,
