@@ -79,7 +79,8 @@ def fused_quant_moe() -> bool:
 def grouped_quant_mm(x: torch.Tensor, w: QuantWeight, offs: torch.Tensor, block_m: int = 64, block_n: int = 128,
                      block_k: int = 128, num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
     """``F.grouped_mm(x, dequantize(w).transpose(1, 2), offs=offs)`` for x [M, K] (rows sorted by
-    expert), w [E, N, K] quantized, offs [E] int32 (cumulative row counts): [M, N] in x's dtype."""
+    expert), w [E, N, K] quantized, offs [E] int32 (cumulative row counts, the last M; on the
+    device, so not checked here: rows past it are left unwritten): [M, N] in x's dtype."""
     kw = kernel_weight("grouped_quant_mm", w)
     if kw.weight.dim() != 3 or x.dim() != 2 or x.shape[1] != kw.k:
         raise ValueError(f"grouped_quant_mm: x {tuple(x.shape)} must be [M, {kw.k}] against experts "
