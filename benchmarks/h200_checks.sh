@@ -40,9 +40,8 @@ kernel_tests=${TESTS:-"tests/test_decode_graphs.py tests/test_paged_attention.py
   tests/test_moe_kernel.py tests/test_norm_kernel.py tests/test_linear_kernel.py tests/test_argmax_kernel.py
   tests/test_stream_kernel.py tests/test_mamba2_kernel.py tests/test_relu2_moe_kernel.py tests/test_flash_prefill.py"}
 quant_tests="tests/test_quant_linear.py tests/test_quant_moe.py tests/test_linear_kernel.py tests/test_moe_kernel.py
-  tests/test_relu2_moe_kernel.py tests/test_grouped_kernel.py
-  tests/test_quantized_model.py::test_triton_backend_emits_the_twins_tokens
-  tests/test_quantized_model.py::test_grouped_quant_moe_matches_the_twin"
+  tests/test_relu2_moe_kernel.py tests/test_quantized_model.py::test_triton_backend_emits_the_twins_tokens
+  tests/test_quantized_model.py::test_grouped_moe_over_quantized_experts_matches_the_twin"
 [[ $parts == *qtests* ]] && run qtests python3 -m pytest -q -p no:cacheprovider $quant_tests
 for q in ${QTUNE//,/ }; do  # the quantized decode kernels' tile sweeps, per format
   run "tune linear $q" python3 benchmarks/tune_linear.py --quantize "$q" --tokens 1 --out "$WORK/tune_linear_$q.json"
@@ -85,9 +84,6 @@ if [[ $parts == *rows* ]]; then
   run "tune attention rows 32 heads" python3 benchmarks/tune_attention.py --q-lens 7 --heads 32 --rows 64,128 \
     --block-n 32,64 --warps 4,8 --stages 2,3 --out "$WORK/tune_attention_rows_32h.json"
 fi
-# the prefill MoE's grouped GEMM over packed experts against dequantize + F.grouped_mm, side by side (grouped)
-[[ $parts == *grouped* ]] && run "tune grouped" python3 benchmarks/tune_grouped.py --quantize nvfp4 \
-  --out "$WORK/tune_grouped_nvfp4.json"
 # the prefill attention kernel against SDPA's backends at the same head shape, side by side (prefill)
 [[ $parts == *prefill* ]] && run "prefill attention" python3 benchmarks/prefill_attention.py --contexts 131072,1040000 \
   --chunk 16384 --out "$WORK/prefill_attention.json"

@@ -52,6 +52,7 @@ def main() -> None:
     from wmtp.bench.step import revision
     from wmtp.bench.timing import cold_ms_per_call
     from wmtp.kernels.linear import LinearTiles, decode_linear, linear_tiles, quant_tiles, skinny_linear
+    from wmtp.kernels.quant_tiles import kernel_weight
     from wmtp.quant import FORMATS, QuantWeight
 
     dt, rows = torch.bfloat16, []
@@ -69,7 +70,7 @@ def main() -> None:
             return cold_ms_per_call(fn, weights)
 
         cublas = bench(lambda w: F.linear(x, w), dense)
-        chosen = linear_tiles(T, N, K) if fmt is None else quant_tiles(N, K)
+        chosen = linear_tiles(T, N, K) if fmt is None else quant_tiles(T, N, K, kernel_weight(name, ws[0]).format)
         chosen_ms = bench(lambda w: decode_linear(x, w))  # what the engine runs: the kernel, or cuBLAS where None
         ref = F.linear(x, ws[0] if fmt is None else ws[0].dequantize(dt))
         err = (skinny_linear(x, ws[0]).float() - ref.float()).abs().max().item()

@@ -102,11 +102,11 @@ def chi2_pvalue(counts: np.ndarray, joint: np.ndarray) -> float:
 
 
 def tiny_model(preset: str, device: str = "cpu", backend: str = "torch", seed: int = 0, quantize: str | None = None,
-               **overrides):
+               dtype: torch.dtype | None = None, **overrides):
     """A tiny preset's random-weight model with the fewest layers that keep every mechanism: one
     attention layer, plus one GDN layer (dense MLP) on hybrids, whose attention layer then carries
     the MoE; ``overrides`` change other config fields; ``quantize`` as ``load_model``'s (a quantized
-    preset's own config without it). Interpreted
+    preset's own config without it); ``dtype`` instead of the preset's. Interpreted
     runs cost per layer."""
     from wmtp.config import ModelConfig
     from wmtp.models.loader import build_model, init_random_
@@ -126,5 +126,5 @@ def tiny_model(preset: str, device: str = "cpu", backend: str = "torch", seed: i
 
     quant = default_config(quantize, DEFAULT_EXCLUDE) if quantize is not None else (
         None if "quantization_config" not in raw else QuantConfig.from_config_dict(raw["quantization_config"], preset))
-    model = build_model(cfg, device, getattr(torch, raw.get("dtype", "float32")), backend, quant)
+    model = build_model(cfg, device, dtype or getattr(torch, raw.get("dtype", "float32")), backend, quant)
     return init_random_(model, seed)

@@ -33,15 +33,15 @@ def cases() -> dict[str, tuple]:
     # at the tiles the engine launches the 35B's projections with (2048 and 12352 outputs)
     for (fmt, cvt), splits, n in itertools.product(CVT, (1, 4), (2048, 12352)):
         code, w, s = QUANT_FORMATS[fmt]
-        tiles = quant_tiles(n, 2048)
+        tiles = quant_tiles(7, n, 2048, code)  # a verify's (one row of NVFP4 takes the FMA path)
         out[f"skinny_linear-{fmt}-cvt{int(cvt)}-splits{splits}-n{n}"] = (
             "wmtp.kernels.linear:_skinny_linear_kernel",
             {"X": "*bf16", "W": w, "S": s, "R": "*fp32", "BIAS": "*bf16", "OUT": "*bf16", "PART": "*fp32",
              "COUNT": "*i32", **_ints("T", "N", "K", "stride_xt", "stride_wn", "stride_sn", "stride_ot", "K_SPLIT")},
             dict(FORMAT=code, HAS_BIAS=True, SPLITS=splits, WIDEN=False, PREC="tf32", T_P=16, BLOCK_N=tiles.block_n,
                  BLOCK_K=tiles.block_k, CVT=cvt, GEMV=False, PDL=True), {"num_warps": tiles.num_warps})
-    # the one-row FMA candidate (LinearTiles.gemv) at tiles of tune_linear's sweep
-    for (fmt, cvt), (bn, bk) in itertools.product(CVT, ((16, 256), (32, 128))):
+    # the one-row FMA path (LinearTiles.gemv): NVFP4's default, FP8's candidate in tune_linear's sweep
+    for (fmt, cvt), (bn, bk) in itertools.product(CVT, ((8, 256), (16, 256), (32, 128))):
         code, w, s = QUANT_FORMATS[fmt]
         out[f"skinny_linear_gemv-{fmt}-cvt{int(cvt)}-{bn}x{bk}"] = (
             "wmtp.kernels.linear:_skinny_linear_kernel",
@@ -49,22 +49,12 @@ def cases() -> dict[str, tuple]:
              "COUNT": "*i32", **_ints("T", "N", "K", "stride_xt", "stride_wn", "stride_sn", "stride_ot", "K_SPLIT")},
             dict(FORMAT=code, HAS_BIAS=False, SPLITS=4, WIDEN=False, PREC="tf32", T_P=1, BLOCK_N=bn,
                  BLOCK_K=min(bk, 128) if fmt == "fp8" else bk, CVT=cvt, GEMV=True, PDL=True))
-    # the grouped GEMM over quantized experts (prefill), at its default tiles
-    for fmt, cvt in CVT:
-        code, w, s = QUANT_FORMATS[fmt]
-        out[f"grouped_quant_mm-{fmt}-cvt{int(cvt)}"] = (
-            "wmtp.kernels.grouped:_grouped_quant_mm_kernel",
-            {"X": "*bf16", "W": w, "S": s, "R": "*fp32", "OUT": "*bf16", "OFFS": "*i32", "TILE_ENDS": "*i32",
-             **_ints("E", "N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_re",
-                     "stride_ot")},
-            dict(FORMAT=code, WIDEN=False, PREC="tf32", BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, CVT=cvt, PDL=True),
-            {"num_warps": 8})
     from wmtp.kernels.moe import down_combine_tiles, pair_tiles
 
     # the MoE kernels at the tiles the engine launches them with (a token's, a verify's)
     for (fmt, cvt), act, big in itertools.product(CVT, ("swiglu", "relu2", "linear"), (False, True)):
         code, w, s = QUANT_FORMATS[fmt]
-        (bn, bk), warps = pair_tiles(code, ("swiglu", "relu2", "linear").index(act), big)
+        (bn, bk), warps, fma = pair_tiles(code, ("swiglu", "relu2", "linear").index(act), big)
         out[f"pair_gemv-{fmt}-cvt{int(cvt)}-{act}-{'verify' if big else 'token'}"] = (
             "wmtp.kernels.moe:_swiglu_gemv_kernel",
             {"X": "*bf16", "WG": w, "WU": w, "CG": s, "CU": s, "RG": "*fp32", "RU": "*fp32", "IDX": "*i64", "SG": w,
@@ -72,11 +62,11 @@ def cases() -> dict[str, tuple]:
              **_ints("P", "N", "NS", "K", "stride_we", "stride_wn", "stride_ce", "stride_cn", "stride_re", "stride_sn",
                      "stride_scn")},
             dict(TOP_K=8, FORMAT=code, ACT=("swiglu", "relu2", "linear").index(act), BLOCK_N=bn, BLOCK_K=bk, CVT=cvt,
-                 FMA=False, PDL=True), {"num_warps": warps})
-        if act == "swiglu":  # tune_moe's FMA candidate at the same tiles
+                 FMA=fma, PDL=True), {"num_warps": warps})
+        if act == "swiglu":  # tune_moe's other form (FMA or dots) at the same tiles
             case = out[f"pair_gemv-{fmt}-cvt{int(cvt)}-swiglu-{'verify' if big else 'token'}"]
-            out[f"pair_gemv_fma-{fmt}-cvt{int(cvt)}-{'verify' if big else 'token'}"] = (
-                case[0], case[1], {**case[2], "FMA": True}, case[3])
+            out[f"pair_gemv_other-{fmt}-cvt{int(cvt)}-{'verify' if big else 'token'}"] = (
+                case[0], case[1], {**case[2], "FMA": not fma}, case[3])
     for (fmt, cvt), shared, tokens in itertools.product(CVT, (False, True), (1, 7)):
         code, w, s = QUANT_FORMATS[fmt]
         (bn, bk), warps = down_combine_tiles(code, tokens, 8)

@@ -111,7 +111,7 @@ def test_swiglu_gemv_with_shared_matches_reference(inter_s, tokens, dtype):
     want = torch.cat([_swiglu_reference(x[p // 3, None], w[e, :40], w[e, 40:]) for p, e in enumerate(idx.tolist())])
     assert routed.shape == (tokens * 3, 40) and _close(routed, want)
     assert shared.shape == (tokens, inter_s) and _close(shared, _swiglu_reference(x, sg, su))
-    fma = swiglu_gemv_with_shared(x, w[:, :40], w[:, 40:], idx, 3, sg, su, FMA=True)  # tune_moe's candidate
+    fma = swiglu_gemv_with_shared(x, w[:, :40], w[:, 40:], idx, 3, sg, su, FMA=True)  # the FMA form (NVFP4's default)
     assert _close(fma[0], want) and _close(fma[1], _swiglu_reference(x, sg, su))
 
 

@@ -40,9 +40,9 @@ QUANT_MAX_ROWS = 64
 
 class LinearTiles(NamedTuple):
     """Launch configuration: column block, K step, K splits (programs per column block), warps,
-    software-pipeline stages; ``gemv``: a quantized weight's one-row launch by FMA (``weight_fma``)
-    instead of tensor-core dots (a candidate of ``benchmarks/tune_linear.py``'s sweep, not yet
-    timed on a GPU: no default chooses it)."""
+    software-pipeline stages; ``gemv``: a quantized weight's one-row launch by FMA (``weight_fma``:
+    products kept per input position and summed once after the K loop, so the weight never goes
+    through shared memory to reach a dot's layout) instead of tensor-core dots."""
 
     block_n: int
     block_k: int
@@ -59,7 +59,7 @@ if triton is not None:
     @triton.jit
     def split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, k_lo, K_SPLIT, K,
                   FORMAT: tl.constexpr, WIDEN: tl.constexpr, PREC: tl.constexpr, BLOCK_K: tl.constexpr,
-                  CVT: tl.constexpr, PAIRS: tl.constexpr = False):
+                  CVT: tl.constexpr):
         """fp32 ``X[ts] @ W[cols].T`` over this program's K split ``[k_lo, k_lo + K_SPLIT)``, one dot
         per K step (``weight_tile_dot``, any weight format): a [len(ts), len(cols)] tile (rows and
         columns past ``t_ok`` / ``col_ok`` are 0)."""
@@ -68,7 +68,7 @@ if triton is not None:
         for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
             nxt = tile_scales(S, cols * stride_sn, col_ok, k0 + BLOCK_K, K, FORMAT, BLOCK_K)  # a step ahead
             acc = weight_tile_dot(X, W, stride_xt, stride_wn, ts, t_ok, cols, col_ok, k0, K, sc, acc,
-                                  FORMAT, WIDEN, PREC, BLOCK_K, CVT, PAIRS)
+                                  FORMAT, WIDEN, PREC, BLOCK_K, CVT)
             sc = nxt
         return acc
 
@@ -136,13 +136,19 @@ def linear_tiles(rows: int, n: int, k: int) -> LinearTiles | None:
     return LinearTiles(32, 256, 4 if k >= 4096 else 1, 4)
 
 
-def quant_tiles(n: int, k: int) -> LinearTiles:
-    """Tiles for a quantized [n, k] weight (no cuBLAS alternative short of dequantizing it): K steps
-    of 128 inputs; columns in blocks of 32 up to 1024 outputs, 64 up to 4096, 128 above; as many K
-    splits (8, 4, 2) as keep the launch within 600 programs. Best of the sweep on an H100 for NVFP4
-    (``tune_linear.py --quantize nvfp4 --tokens 1,7``, at 3e78b3e), 1 / 7 rows: 2048 x 4096 at 64 x 128
-    in 8 splits 9.4 / 9.3 us; 9216 x 2048 at 128 x 128 in 8 splits 18.9 / 19.2 us and 12352 x 2048 in
-    4 splits 19.4 / 19.1 us, against 21.0 / 21.1 and 23.7 / 23.6 at 64-wide blocks."""
+def quant_tiles(rows: int, n: int, k: int, fmt: int) -> LinearTiles:
+    """Tiles for ``rows`` x a quantized [n, k] weight of kernel format ``fmt`` (no cuBLAS alternative
+    short of dequantizing it). One row of NVFP4: the FMA path (``gemv``) in 8-wide column blocks, a K
+    split per 1024 inputs, K steps of 256 (512 from K = 4096); on an H100 (``tune_linear.py --quantize
+    nvfp4 --tokens 1,7``, at f5d33f0) 6.3 / 12.1 / 13.8 us for 2048 x 4096, 9216 x 2048 and
+    12352 x 2048 against 9.6 / 18.7 / 19.3 at the tensor-core tiles below; at 7 rows the FMA path did
+    not enter the sweep (it multiplies the FMAs by the rows) and the tiles below stayed best. Otherwise
+    K steps of 128 inputs; columns in blocks of 32 up to 1024 outputs, 64 up to 4096, 128 above; as
+    many K splits (8, 4, 2) as keep the launch within 600 programs (at 3e78b3e, 1 / 7 rows: 2048 x 4096
+    at 64 x 128 in 8 splits 9.4 / 9.3 us; 9216 x 2048 at 128 x 128 in 8 splits 18.9 / 19.2 us and
+    12352 x 2048 in 4 splits 19.4 / 19.1 us, against 21.0 / 21.1 and 23.7 / 23.6 at 64-wide blocks)."""
+    if rows == 1 and fmt == NVFP4_CODE:
+        return LinearTiles(8, 512 if k >= 4096 else 256, max(1, k // 1024), 4, gemv=True)
     block_n = 32 if n <= 1024 else 64 if n <= 4096 else 128
     blocks = -(-n // block_n)
     splits = next(s for s in (8, 4, 2, 1) if s == 1 or blocks * s <= 600)
@@ -192,7 +198,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
     x2, out = skinny_rows("skinny_linear", x, weight.shape[0], bias, QUANT_MAX_ROWS if quant else MAX_ROWS)
     T, N = out.shape
     if T and N:
-        default = quant_tiles(N, K) if quant else linear_tiles(T, N, K) or LinearTiles(16, 128, 1, 4)
+        default = quant_tiles(T, N, K, kw.format) if quant else linear_tiles(T, N, K) or LinearTiles(16, 128, 1, 4)
         cfg = tiles or default
         if tiles is None:  # (one K split when a whole-K step covers K)
             cfg = cfg._replace(block_n=launch_tile(cfg.block_n, N), block_k=launch_tile(cfg.block_k, K, 128 if quant else 1024))

@@ -284,10 +284,11 @@ def _experts(name: str, x: torch.Tensor, w: Weight, k_dim: int) -> KernelWeight:
     return kernel_weight(name, w)
 
 
-def pair_tiles(fmt: int, act: int, big: bool) -> tuple[tuple[int, int], int]:
-    """The pair-wise GEMV's default ((BLOCK_N, BLOCK_K), num_warps) for weights of kernel format
+def pair_tiles(fmt: int, act: int, big: bool) -> tuple[tuple[int, int], int, bool]:
+    """The pair-wise GEMV's default ((BLOCK_N, BLOCK_K), num_warps, FMA) for weights of kernel format
     ``fmt`` (``quant_tiles``), activation ``act`` and ``big`` (32 or more rows of pairs: a verify's);
     FP8's K step within its 128-input scale block (``_k_step``)."""
+    fma = False
     if fmt == FLOAT:
         # 8 x 256 for a token's 8 pairs, 16 x 128 for a verify's 56: best on the H200 for the 35B
         # shape with the shared rows folded in (9.8 / 52.7 us; benchmarks/tune_moe.py)
@@ -298,12 +299,13 @@ def pair_tiles(fmt: int, act: int, big: bool) -> tuple[tuple[int, int], int]:
         # (tune_moe.py --quantize nvfp4 --top-k 22)
         (bn, bk), warps = ((32, 256) if big else (8, 256)), 4
     elif fmt == NVFP4_CODE:
-        # best on an H100 for the 35B shape: 11.3 / 51.8 us at 1 / 7 tokens against 19.2 / 69.0 at
-        # FP8's tiles (h100/tuning/tune_moe_nvfp4.json)
-        (bn, bk), warps = (8, 512), (4 if big else 8)
+        # FMA products summed after the K loop: best on an H100 for the 35B shape, 9.7 / 46.5 us at
+        # 1 / 7 tokens against 11.3 / 52.2 at the best dot tiles (8 x 512, 8 / 4 warps; tune_moe.py
+        # --quantize nvfp4 --cases swiglu_routed_shared, at f5d33f0)
+        (bn, bk), warps, fma = ((8, 256) if big else (8, 512)), 4, True
     else:  # FP8: the H200's best tiles for NVFP4 before that sweep (19.6 / 77.8 us); not swept for FP8 itself
         (bn, bk), warps = ((16, 128), 4) if big else ((16, 256), 8)
-    return (bn, _k_step(fmt, bk)), warps
+    return (bn, _k_step(fmt, bk)), warps, fma
 
 
 def down_combine_tiles(fmt: int, tokens: int, top_k: int) -> tuple[tuple[int, int], int]:
@@ -400,8 +402,8 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
     Ts, Ns = (T, sg.shape[0]) if shared is not None else (0, N)
     buf = torch.empty(P * N + Ts * Ns, device=x.device, dtype=x.dtype)
     if P + Ts:
-        (bn, bk), warps = pair_tiles(g.format, act, P + Ts >= 32)
-        cfg = {"BLOCK_N": launch_tile(bn, max(N, Ns)), "BLOCK_K": _block_k(g, bk, K), "num_warps": warps, "FMA": False,
+        (bn, bk), warps, fma = pair_tiles(g.format, act, P + Ts >= 32)
+        cfg = {"BLOCK_N": launch_tile(bn, max(N, Ns)), "BLOCK_K": _block_k(g, bk, K), "num_warps": warps, "FMA": fma,
                **launch}
         we, wn, ce, cn = g.strides()
         _swiglu_gemv_kernel[(P + Ts, triton.cdiv(max(N, Ns), cfg["BLOCK_N"]))](
@@ -530,13 +532,11 @@ def routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_pro
 
 def _grouped_mm(x: torch.Tensor, w: Weight, offs: torch.Tensor) -> torch.Tensor:
     """x's expert-sorted rows times their experts' ``w`` [E, N, K]: torch's grouped GEMM, quantized
-    experts dequantized for it in one pass, or with ``WMTP_FUSED_QUANT_MOE=1`` read packed inside
-    ``grouped.grouped_quant_mm``."""
+    experts dequantized for it in one pass. A Triton grouped GEMM reading the packed NVFP4 experts
+    inside its loop reached 0.41-0.60x of this on an H100 at 8K- and 16K-token chunks of the 35B
+    shape (125 against 302 TFLOP/s at best; f5d33f0's ``tune_grouped.py``, ``h100/tuning/``): the dequantize
+    pass costs less than Triton's wgmma falls short of CUTLASS's."""
     if isinstance(w, QuantWeight):
-        from wmtp.kernels.grouped import fused_quant_moe, grouped_quant_mm
-
-        if fused_quant_moe():
-            return grouped_quant_mm(x, w, offs)
         w = dequantize(w, x.dtype)
     return F.grouped_mm(x, w.transpose(1, 2), offs=offs)
 

@@ -316,17 +316,13 @@ if triton is not None:
     @triton.jit
     def weight_tile_dot(X, W, stride_xt, stride_wn, ts, t_ok, cols, col_ok, k0, K, sc, acc,
                         FORMAT: tl.constexpr, WIDEN: tl.constexpr, PREC: tl.constexpr, BLOCK_K: tl.constexpr,
-                        CVT: tl.constexpr, PAIRS: tl.constexpr = False):
+                        CVT: tl.constexpr):
         """``acc + X[ts, k0:k0+BLOCK_K] @ weight[cols, k0:k0+BLOCK_K].T`` by tensor-core dots (rows of X
         padded to the dot's 16). A quantized weight tile is dequantized to fp16, exactly (an NVFP4
         value times its fp8 scale has at most 6 significant bits, an fp8 value 4, all inside fp16's
         range), and a 16-bit X's step scaled into fp16 by a power of 2 per row (``f16_rows``; an
         fp32 X multiplies the fp32 weights); FP8's block scale (BLOCK_K divides 128) multiplies the
-        step's dot. ``sc``: the step's ``tile_scales``. NVFP4's second level: not here. PAIRS: an
-        NVFP4 tile as two dots, the bytes' low nibbles against x's even inputs and the high ones
-        against its odd inputs, instead of one over the nibbles joined in K's order: Triton 3.6
-        fails to compile the joined tile into a wgmma (64 rows and more: ``grouped``) and compiles
-        this."""
+        step's dot. ``sc``: the step's ``tile_scales``. NVFP4's second level: not here."""
         BN: tl.constexpr = cols.shape[0]
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -344,27 +340,17 @@ if triton is not None:
             kb = k0 // 2 + g[:, None] * 8 + tl.arange(0, 8)[None, :]
             b = tl.load(W + cols[:, None, None] * stride_wn + kb, mask=col_ok[:, None, None] & (kb < K // 2), other=0)
             lo, hi = e2m1_scaled_f16(b, tl.broadcast_to(sc[:, :, None], (BN, G, 8)), CVT)
-            if PAIRS:  # the low nibbles (even inputs), the high ones (odd inputs)
-                wa = tl.reshape(lo, (BN, BLOCK_K // 2))
-                wb = tl.reshape(hi, (BN, BLOCK_K // 2))
-            else:  # input 2j + 1 beside 2j: K's own order
-                wa = tl.reshape(tl.join(lo, hi), (BN, BLOCK_K))
-                wb = wa
+            wv = tl.reshape(tl.join(lo, hi), (BN, BLOCK_K))  # input 2j + 1 beside 2j: K's own order
         else:
-            wa = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
+            wv = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
                          other=0.0).to(tl.float16)
-            wb = wa
         if F32X:
             xs = xv
         else:
             xs, down = f16_rows(xv)
         if F32X or WIDEN:
-            xs, wa, wb = xs.to(tl.float32), wa.to(tl.float32), wb.to(tl.float32)
-        if PAIRS and FORMAT == 1:
-            xe, xo = tl.split(tl.reshape(xs, (xs.shape[0], BLOCK_K // 2, 2)))
-            part = tl.dot(xo, tl.trans(wb), tl.dot(xe, tl.trans(wa), input_precision=PREC), input_precision=PREC)
-        else:
-            part = tl.dot(xs, tl.trans(wa), input_precision=PREC)
+            xs, wv = xs.to(tl.float32), wv.to(tl.float32)
+        part = tl.dot(xs, tl.trans(wv), input_precision=PREC)
         if not F32X:
             part = part * down
         if FORMAT == 2:
