@@ -39,6 +39,15 @@ QUANT_SHAPES = SHAPES[:1] + SHAPES[2:] + [("shared expert gate / up", 512, 2048,
                                           ("shared expert down", 2048, 512, None)]
 
 
+def parse_shape(spec: str) -> tuple[str, int, int, list]:
+    """``NAME=NxK`` -> (name, N, K, bf16 grid); a clear error for any other spelling."""
+    name, _, nk = spec.rpartition("=")
+    n, _, k = nk.partition("x")
+    if not name or not n.isdigit() or not k.isdigit() or not int(n) or not int(k):
+        raise SystemExit(f"tune_linear: --shape {spec!r} must be NAME=NxK with N, K positive integers")
+    return name, int(n), int(k), GRID_DEEP if int(k) >= 4096 else GRID_WIDE
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,8")
@@ -47,6 +56,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="comma-separated case names to run (default: all)")
     ap.add_argument("--quantize", choices=sorted(QUANT_GRIDS), default=None,
                     help="the weights in this format (its QUANT_GRIDS); cuBLAS then runs on the bf16 weights")
+    ap.add_argument("--shape", action="append", default=[], metavar="NAME=NxK",
+                    help="another model's projection (N outputs, K inputs) instead of the 35B's, repeatable: "
+                         "swept over the format's grid (GRID_WIDE / GRID_DEEP by K in bf16)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from wmtp.bench.step import revision
@@ -58,6 +70,8 @@ def main() -> None:
     dt, rows = torch.bfloat16, []
     fmt = FORMATS[a.quantize]() if a.quantize else None
     shapes = [s for s in (QUANT_SHAPES if fmt else SHAPES) if not a.shapes or s[0] in a.shapes.split(",")]
+    if a.shape:
+        shapes = [parse_shape(s) for s in a.shape]
     for (name, N, K, grid), T in itertools.product(shapes, map(int, a.tokens.split(","))):
         nbytes = N * K * 2 if fmt is None else fmt.weight_bytes(N, K)
         copies = max(1, int(a.copies_bytes // nbytes))
