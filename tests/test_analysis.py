@@ -157,6 +157,18 @@ def test_ols_matches_numpy_and_matrix_formula():
         ols_fit([2, 2, 2], [1, 2, 3])
 
 
+def test_steepest_step_finds_the_cliff():
+    """The largest rise between consecutive depths (in x order, whatever the input order) and where:
+    a straight line's equals its slope; a jump at x = 7 shows there; ties of x are an error."""
+    from wmtp.analysis.stats import steepest_step
+
+    assert steepest_step([1, 2, 3, 4], [2, 4, 6, 8]) == (2, 2)
+    assert steepest_step([6, 1, 7, 2, 3], [11, 1, 20, 3, 5]) == (9, 7)
+    assert steepest_step([1, 3], [0, 3]) == (1.5, 3)  # per unit x across a gap
+    with pytest.raises(ValueError, match="distinct x"):
+        steepest_step([1, 1, 2], [1, 2, 3])
+
+
 # ---- probes ---------------------------------------------------------------------------------------
 
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from wmtp.analysis.stats import (
-    MeanCI, acceptance_length_from_alphas, alpha_intervals, diff_ci, mean_ci, ols_fit, ratio_ci,
+    MeanCI, acceptance_length_from_alphas, alpha_intervals, diff_ci, mean_ci, ols_fit, ratio_ci, steepest_step,
 )
 from wmtp.bench.gpu_state import describe_gpu_state
 from wmtp.engine.metrics import acceptance_length
@@ -453,8 +453,10 @@ def section_depth_sweep(rep: Report, f: ResultFile) -> None:
             rep.warnings.append(f"`{f.path.name}` {m}: fewer than 2 depths in the fit range")
             continue
         fit = fits[m] = ols_fit(gam, [c.mean for c in cis])
+        step, at = steepest_step(gam, [c.mean for c in cis])
         rows.append([m, f"{fmt(fit.slope * 1e3, 3)} ± {fmt(fit.se_slope * 1e3, 3)}",
-                     f"{fmt(fit.intercept * 1e3)} ± {fmt(fit.se_intercept * 1e3)}", fmt(fit.r2, 4), fit.n,
+                     f"{fmt(fit.intercept * 1e3)} ± {fmt(fit.se_intercept * 1e3)}", fmt(fit.r2, 4),
+                     f"{fmt(step / fit.slope, 3)} (d = {at + 1:g})" if fit.slope > 0 else "–", fit.n,
                      f"{min(gam) + 1}..{max(gam) + 1}"])
     nat = fits.get("native")
     win = next((v for k, v in fits.items() if str(k).startswith("windowed")), None)
@@ -462,10 +464,11 @@ def section_depth_sweep(rep: Report, f: ResultFile) -> None:
         rows.append(["Δ native − windowed", f"{fmt((nat.slope - win.slope) * 1e3, 3)} ± "
                      f"{fmt(math.hypot(nat.se_slope, win.se_slope) * 1e3, 3)}",
                      f"{fmt((nat.intercept - win.intercept) * 1e3)} ± {fmt(math.hypot(nat.se_intercept, win.se_intercept) * 1e3)}",
-                     "", "", ""])
+                     "", "", "", ""])
     rep.add("OLS over the per-d mean T_iter (x = γ = d − 1); ± = standard error. Slope = t_draft_fwd, "
-            "intercept c = t_verify + t_draft_ctx.", "")
-    rep.table(["mode", "slope ms/forward", "intercept c ms", "R²", "points", "d range"], rows)
+            "intercept c = t_verify + t_draft_ctx. Steepest step: the largest rise from one depth to the next "
+            "over the slope (1 on a straight line; a cliff shows above it).", "")
+    rep.table(["mode", "slope ms/forward", "intercept c ms", "R²", "steepest step / slope", "points", "d range"], rows)
     _depth_table(rep, f)
     _plot_depth(rep, f, fits)
 

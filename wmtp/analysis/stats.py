@@ -211,6 +211,16 @@ class LinearFit:
         return self.slope * x + self.intercept
 
 
+def steepest_step(x: list[float], y: list[float]) -> tuple[float, float]:
+    """(the largest rise per unit x between consecutive points after sorting by x, the x it rises
+    to; the first of equal rises): a depth sweep's worst step, which a cliff makes much steeper than
+    the fitted slope."""
+    pts = sorted(zip(x, y))
+    if len(pts) < 2 or any(a == b for (a, _), (b, _) in zip(pts, pts[1:])):
+        raise ValueError(f"steepest_step: need >= 2 points at distinct x (got {[a for a, _ in pts]})")
+    return max((((y1 - y0) / (x1 - x0), x1) for (x0, y0), (x1, y1) in zip(pts, pts[1:])), key=lambda s: s[0])
+
+
 def ols_fit(x: list[float], y: list[float]) -> LinearFit:
     """Least-squares line through (x, y); needs ≥ 2 points and ≥ 2 distinct x."""
     n = len(x)
