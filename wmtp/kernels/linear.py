@@ -40,9 +40,10 @@ QUANT_MAX_ROWS = 64
 
 class LinearTiles(NamedTuple):
     """Launch configuration: column block, K step, K splits (programs per column block), warps,
-    software-pipeline stages; ``gemv``: a quantized weight's one-row launch by FMA (``weight_fma``:
-    products kept per input position and summed once after the K loop, so the weight never goes
-    through shared memory to reach a dot's layout) instead of tensor-core dots."""
+    software-pipeline stages; ``gemv``: a quantized weight by FMA (``weight_fma``: products kept per
+    row and input position and summed once after the K loop, so the weight never goes through shared
+    memory to reach a dot's layout) instead of tensor-core dots; each weight value dequantized once
+    for every row (of at most ``MAX_ROWS`` a launch) and its FMAs multiplied by the rows."""
 
     block_n: int
     block_k: int
@@ -84,13 +85,17 @@ if triton is not None:
         col_ok = cols < N
         ts = tl.arange(0, T_P)
         t_ok = ts < T
-        if GEMV:  # one row (T_P = 1)
+        if GEMV:  # T_P rows (past T: row T - 1 again, not stored); one row without the rows' dim
             k_lo = s * K_SPLIT
-            acc3 = tl.zeros([BLOCK_N, BLOCK_K // 16, 8] if FORMAT == 1 else [BLOCK_N, BLOCK_K], tl.float32)
+            x_rows = 0 if T_P == 1 else tl.minimum(ts, T - 1) * stride_xt
+            per_row: tl.constexpr = [BLOCK_N, BLOCK_K // 16, 8] if FORMAT == 1 else [BLOCK_N, BLOCK_K]
+            acc3 = tl.zeros(per_row if T_P == 1 else [T_P] + per_row, tl.float32)
             for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
-                acc3 = weight_fma(W, S, cols * stride_wn, cols * stride_sn, col_ok, x_step(X, 0, k0, K, FORMAT, BLOCK_K),
+                acc3 = weight_fma(W, S, cols * stride_wn, cols * stride_sn, col_ok, x_step(X, x_rows, k0, K, FORMAT, BLOCK_K),
                                   k0, K, acc3, FORMAT, BLOCK_K, CVT)
-            acc = fma_sum(acc3, FORMAT)[None, :]
+            acc = fma_sum(acc3, FORMAT)
+            if T_P == 1:
+                acc = acc[None, :]
         else:
             acc = split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, s * K_SPLIT, K_SPLIT, K,
                             FORMAT, WIDEN, PREC, BLOCK_K, CVT)
@@ -144,8 +149,8 @@ def quant_tiles(rows: int, n: int, k: int, fmt: int) -> LinearTiles:
     --quantize nvfp4 --tokens 1,7``, at f5d33f0 / 5951afc; ``h100/tuning/``): 9216 x 2048 12.1 us,
     12352 x 2048 13.8, 20608 x 3072 30.2, 17408 x 3072 24.9, 2048 x 4096 6.3, 3072 x 8192 12.8,
     3072 x 6144 10.4, 3072 x 1024 4.2, against 18.7 / 19.3 / - / - / 9.6 / - / - / - at the
-    tensor-core tiles below. At 7 rows the FMA path (its FMAs multiplied by the rows) stays out and
-    the tiles below were best. Otherwise K steps of 128 inputs; columns in blocks of 32 up to 1024
+    tensor-core tiles below. More rows take the tiles below (best of the sweep's tensor-core tiles at
+    7 rows); the FMA path over several rows is a candidate of the sweep, not yet timed. Otherwise K steps of 128 inputs; columns in blocks of 32 up to 1024
     outputs, 64 up to 4096, 128 above; as many K splits (8, 4, 2) as keep the launch within 600
     programs (at 3e78b3e, 1 / 7 rows: 2048 x 4096 at 64 x 128 in 8 splits 9.4 / 9.3 us; 9216 x 2048
     at 128 x 128 in 8 splits 18.9 / 19.2 us and 12352 x 2048 in 4 splits 19.4 / 19.1 us, against
@@ -213,9 +218,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
             raise ValueError(f"skinny_linear: NVFP4 block_k {bk} must be a power of 2 >= 16")
         if kw.format == FP8_CODE and (128 % bk or bk < 16):
             raise ValueError(f"skinny_linear: FP8 block_k {bk} must divide the 128-input scale blocks")
-        if cfg.gemv and (T != 1 or not quant):
-            raise ValueError(f"skinny_linear: gemv tiles take one row of a quantized weight (x {tuple(x.shape)}, "
-                             f"weight {kw.format})")
+        if cfg.gemv and not quant:
+            raise ValueError(f"skinny_linear: gemv tiles take a quantized weight (weight {tuple(weight.shape)} "
+                             f"{weight.dtype})")
         k_split = triton.cdiv(triton.cdiv(K, cfg.splits), bk) * bk  # a multiple of the K step
         splits = triton.cdiv(K, k_split)
         blocks = triton.cdiv(N, cfg.block_n)
@@ -228,7 +233,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
                 xs, kw.weight, kw.scale, kw.rows, outs if bias is None else bias, outs, part,
                 arrival_counters(x.device, blocks), t, N, K, xs.stride(0), kw.weight.stride(0), kw.scale.stride(0),
                 outs.stride(0), k_split, FORMAT=kw.format, HAS_BIAS=bias is not None, SPLITS=splits,
-                T_P=1 if cfg.gemv else MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=bk, GEMV=cfg.gemv,
+                T_P=triton.next_power_of_2(t) if cfg.gemv else MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=bk, GEMV=cfg.gemv,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 **dot_flags(x.dtype), **e2m1_cvt(x.device), **pdl(x.device))
     return out.view(*x.shape[:-1], N)
