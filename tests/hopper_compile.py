@@ -97,6 +97,13 @@ def cases() -> dict[str, tuple]:
             ("windowed_pages", "*bf16", dict(BLOCK_Q=8, BLOCK_N=32, CONTIG=False, SPLIT=True), 4, 2)):
         out[f"paged_attention-{name}"] = ("wmtp.kernels.paged_attention:_attn_split_kernel", {**attn, "K": kv, "V": kv},
                                           {**shape, **c}, {"num_warps": warps, "num_stages": stages, "spills": True})
+    # routing: the 35B's softmax top-8 of 256 with the shared gate, Nemotron-3-Super's sigmoid top-22 of 512
+    route = {"LOGITS": "*fp32", "W_OUT": "*fp32", "I_OUT": "*i32", "X": "*bf16", "SG": "*bf16", "SG_OUT": "*fp32",
+             "BIAS": "*fp32", "E": "i32", "HID": "i32", "scale": "fp32"}
+    for name, top_k, k_p, e, sigmoid in (("softmax8of256", 8, 8, 256, False), ("sigmoid22of512", 22, 32, 512, True)):
+        out[f"route_topk-{name}"] = ("wmtp.kernels.moe:_route_topk_kernel", route,
+                                     dict(TOP_K=top_k, K_P=k_p, NORM=True, SHARED=not sigmoid,
+                                          SIGMOID=sigmoid, BLOCK_E=e, BLOCK_H=1024, PDL=True))
     return out
 
 

@@ -43,12 +43,14 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return got.dtype == want.dtype and (got.float() - want.float()).abs().max().item() <= rel * want.float().abs().max().item()
 
 
-@pytest.mark.parametrize("E,top_k", [(16, 5), (64, 22)])
-def test_sigmoid_route_topk_matches_the_reference(E, top_k):
+# (6, 5, -3): every choice below -2 and two padded slots of the 8-wide block, which must never be picked
+@pytest.mark.parametrize("E,top_k,shift", [(16, 5, 0.0), (64, 22, 0.0), (512, 22, 0.0), (6, 5, -3.0)])
+def test_sigmoid_route_topk_matches_the_reference(E, top_k, shift):
     """The kernel's choice (by score + bias, negative choices included) and weights (unbiased
     scores, renormalised, scaled) equal ``sigmoid_route``'s."""
     H, T = 48, 6
     r = _routing(E, H, top_k, seed=1)
+    r = r._replace(bias=r.bias + shift)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     want_w, want_i = sigmoid_route(x, r)
     logits = F.linear(x.float(), r.weight.float())
