@@ -145,7 +145,8 @@ def quant_tiles(rows: int, n: int, k: int, fmt: int) -> LinearTiles:
     """Tiles for ``rows`` x a quantized [n, k] weight of kernel format ``fmt`` (no cuBLAS alternative
     short of dequantizing it). One row of NVFP4: the FMA path (``gemv``) in 8-wide column blocks, in
     2 K splits from 8192 outputs, else 4, K steps of 256 (512 at K = 4096). Best or within 4% of the
-    best of the sweep on an H100 over the 35B's and the 122B's projections (``tune_linear.py
+    best of the sweep on an H100 over the 35B's and the 122B's projections but the 122B's shared
+    gate / up 2048 x 3072 (6.5 against 5.3 us in 8 splits) (``tune_linear.py
     --quantize nvfp4 --tokens 1,7``, at f5d33f0 / 5951afc; ``h100/tuning/``): 9216 x 2048 12.1 us,
     12352 x 2048 13.8, 20608 x 3072 30.2, 17408 x 3072 24.9, 2048 x 4096 6.3, 3072 x 8192 12.8,
     3072 x 6144 10.4, 3072 x 1024 4.2, against 18.7 / 19.3 / - / - / 9.6 / - / - / - at the
