@@ -143,17 +143,20 @@ def linear_tiles(rows: int, n: int, k: int) -> LinearTiles | None:
 
 def quant_tiles(rows: int, n: int, k: int, fmt: int) -> LinearTiles:
     """Tiles for ``rows`` x a quantized [n, k] weight of kernel format ``fmt`` (no cuBLAS alternative
-    short of dequantizing it). One row of NVFP4: the FMA path (``gemv``) in 8-wide column blocks, in
-    2 K splits from 8192 outputs, else 4, K steps of 256 (512 at K = 4096). Best or within 4% of the
-    best of the sweep on an H100 over the 35B's and the 122B's projections but the 122B's shared
-    gate / up 2048 x 3072 (6.5 against 5.3 us in 8 splits) (``tune_linear.py
-    --quantize nvfp4 --tokens 1,7``, at f5d33f0 / 5951afc; ``h100/tuning/``): 9216 x 2048 12.1 us,
-    12352 x 2048 13.8, 20608 x 3072 30.2, 17408 x 3072 24.9, 2048 x 4096 6.3, 3072 x 8192 12.8,
-    3072 x 6144 10.4, 3072 x 1024 4.2, against 18.7 / 19.3 / - / - / 9.6 / - / - / - at the
-    tensor-core tiles below. More rows take the tiles below (best of the sweep's tensor-core tiles at
-    7 rows); the FMA path over several rows is a candidate of the sweep, not yet timed. Otherwise K steps of 128 inputs; columns in blocks of 32 up to 1024
-    outputs, 64 up to 4096, 128 above; as many K splits (8, 4, 2) as keep the launch within 600
-    programs (at 3e78b3e, 1 / 7 rows: 2048 x 4096 at 64 x 128 in 8 splits 9.4 / 9.3 us; 9216 x 2048
+    short of dequantizing it).
+
+    One row of NVFP4: the FMA path (``gemv``) in 8-wide column blocks, 2 K splits from 8192 outputs
+    (else 4), K steps of 256 (512 at K = 4096). On an H100 (``tune_linear.py --quantize nvfp4 --tokens
+    1,7``, at f5d33f0 / 5951afc; ``h100/tuning/``) the best or within 4% of the sweep's best over the
+    35B's and the 122B's projections but the 122B's shared gate / up 2048 x 3072 (6.5 against 5.3 us
+    in 8 splits): 9216 x 2048 12.1 us, 12352 x 2048 13.8, 20608 x 3072 30.2, 17408 x 3072 24.9,
+    2048 x 4096 6.3, 3072 x 8192 12.8, 3072 x 6144 10.4, 3072 x 1024 4.2; the 35B's at the tensor-core
+    tiles below took 18.7 / 19.3 / 9.6 us for 9216 x 2048 / 12352 x 2048 / 2048 x 4096.
+
+    Otherwise (more rows: the best of the sweep's tensor-core tiles at 7; the FMA path over several
+    rows is a candidate of the sweep, not yet timed): K steps of 128 inputs; columns in blocks of 32
+    up to 1024 outputs, 64 up to 4096, 128 above; as many K splits (8, 4, 2) as keep the launch within
+    600 programs (at 3e78b3e, 1 / 7 rows: 2048 x 4096 at 64 x 128 in 8 splits 9.4 / 9.3 us; 9216 x 2048
     at 128 x 128 in 8 splits 18.9 / 19.2 us and 12352 x 2048 in 4 splits 19.4 / 19.1 us, against
     21.0 / 21.1 and 23.7 / 23.6 at 64-wide blocks). FP8 keeps these: over Nemotron-3-Super's FP8
     projections the sweep's best was 0-23% faster (1.3 us at most), at a different tile per shape

@@ -121,8 +121,7 @@ if triton is not None:
         scales R* (leading expert strides *_e); the shared expert's S*, SC*, SR*. ACT ``SWIGLU``:
         ``silu(gate x) * (up x)``; ``RELU2``: ``relu(up x)^2``; ``LINEAR``: ``up x`` (the gate
         arguments unread but by SwiGLU). FMA: products summed once after the K loop
-        (``weight_fma``) instead of at every step (``weight_dot``), a candidate of
-        ``benchmarks/tune_moe.py``'s sweep that no default picks until it is timed on a GPU."""
+        (``weight_fma``) instead of at every step (``weight_dot``); ``pair_tiles`` says where."""
         wait_prior(PDL)
         GATED: tl.constexpr = ACT == 0
         p = tl.program_id(0)
