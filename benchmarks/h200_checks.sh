@@ -44,7 +44,7 @@ quant_tests="tests/test_quant_linear.py tests/test_quant_moe.py tests/test_linea
   tests/test_quantized_model.py::test_grouped_moe_over_quantized_experts_matches_the_twin"
 [[ $parts == *qtests* ]] && run qtests python3 -m pytest -q -p no:cacheprovider $quant_tests
 for q in ${QTUNE//,/ }; do  # the quantized decode kernels' tile sweeps, per format
-  run "tune linear $q" python3 benchmarks/tune_linear.py --quantize "$q" --tokens 1 --out "$WORK/tune_linear_$q.json"
+  run "tune linear $q" python3 benchmarks/tune_linear.py --quantize "$q" --tokens 1,7 --out "$WORK/tune_linear_$q.json"
   run "tune moe $q" python3 benchmarks/tune_moe.py --quantize "$q" --tokens 1,7 --out "$WORK/tune_moe_$q.json"
 done
 [[ $parts == *,tests* || $parts == tests* ]] && run tests python3 -m pytest -q -x -p no:cacheprovider $kernel_tests
