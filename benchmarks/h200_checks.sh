@@ -47,6 +47,19 @@ for q in ${QTUNE//,/ }; do  # the quantized decode kernels' tile sweeps, per for
   run "tune linear $q" python3 benchmarks/tune_linear.py --quantize "$q" --tokens 1,7 --out "$WORK/tune_linear_$q.json"
   run "tune moe $q" python3 benchmarks/tune_moe.py --quantize "$q" --tokens 1,7 --out "$WORK/tune_moe_$q.json"
 done
+# the quantized MoE kernels' sweeps on the other families' expert shapes (QTUNE's formats, nvfp4 by default):
+# Nemotron-3-Super's latent ReLU² experts (22 of 512) and the 122B's SwiGLU experts (8 of 256)
+if [[ $parts == *moeshapes* ]]; then
+  qs=${QTUNE:-nvfp4}
+  for q in ${qs//,/ }; do
+    run "tune moe $q nemotron" python3 benchmarks/tune_moe.py --quantize "$q" --experts 512 --hidden 1024 --inter 2688 \
+      --shared-inter 128 --top-k 22 --tokens 1,8 --layers 2 --cases relu2_up,down_pairs \
+      --out "$WORK/tune_moe_${q}_nemotron.json"
+    run "tune moe $q 122b" python3 benchmarks/tune_moe.py --quantize "$q" --experts 256 --hidden 3072 --inter 1024 \
+      --shared-inter 1024 --top-k 8 --tokens 1,8 --layers 2 --cases swiglu_routed_shared,down_combine_shared \
+      --out "$WORK/tune_moe_${q}_122b.json"
+  done
+fi
 [[ $parts == *,tests* || $parts == tests* ]] && run tests python3 -m pytest -q -x -p no:cacheprovider $kernel_tests
 [[ $parts == *identity* ]] && run identity python3 benchmarks/gpu_identity.py --prompts 8 --max-tokens 32 \
   ${IDENTITY:+--presets "$IDENTITY"} --out "$WORK/gpu_identity.json"
