@@ -230,7 +230,9 @@ if triton is not None:
                    CVT: tl.constexpr):
         """``acc`` plus K step ``[k0, k0 + BLOCK_K)``'s products of every row's weights (group scales
         applied) and the step's inputs ``xs`` (``x_step``), kept per input position: NVFP4 [rows,
-        BLOCK_K / 16, 8] (each byte's even and odd input summed), FP8 and float [rows, BLOCK_K]. The
+        BLOCK_K / 16, 8] (each byte's even and odd input summed), FP8 and float [rows, BLOCK_K]; with
+        several rows of x (``xs`` [x rows, ..]) ``acc`` leads with them, each weight value dequantized
+        once for all. The
         sum over K (``fma_sum``) waits for the caller's end of the loop: a step moves nothing
         between threads, and the weight never passes through shared memory (the tensor-core tiles'
         fp16 weights do, twice:
