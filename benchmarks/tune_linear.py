@@ -30,13 +30,11 @@ SHAPES = [("o_proj / out_proj / mtp fc", 2048, 4096, GRID_DEEP),
 
 # quantized weights (--quantize): (block_n, block_k, splits, num_warps, num_stages), K steps the
 # format allows (FP8: within a 128-input scale block)
-# and the FMA path (LinearTiles.gemv) over narrower blocks
+# and, at one row, the FMA candidate (LinearTiles.gemv) over narrower blocks
 QUANT_GRIDS = {"nvfp4": list(itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8), (4, 8), (3,), (False,)))
                + list(itertools.product((8, 16, 32), (128, 256, 512), (2, 4, 8), (4, 8), (3,), (True,))),
                "fp8": list(itertools.product((32, 64, 128), (64, 128), (1, 2, 4, 8), (4, 8), (3,), (False,)))
                + list(itertools.product((8, 16, 32), (64, 128), (2, 4, 8), (4, 8), (3,), (True,)))}
-# the FMA path's accumulator holds rows x block_n x block_k fp32 values: 128 registers a thread at 4 warps
-GEMV_ACC = 16384
 QUANT_SHAPES = SHAPES[:1] + SHAPES[2:] + [("shared expert gate / up", 512, 2048, None),
                                           ("shared expert down", 2048, 512, None)]
 
@@ -93,8 +91,8 @@ def main() -> None:
         results = []
         for cfg in [] if a.no_sweep else grid:
             tiles = LinearTiles(*cfg)
-            if tiles.gemv and (1 << (T - 1).bit_length()) * tiles.block_n * tiles.block_k > GEMV_ACC:
-                continue  # the FMA accumulator past GEMV_ACC fp32 values spills (and compiles for minutes)
+            if tiles.gemv and T != 1:
+                continue
             try:
                 tile_err = (skinny_linear(x, ws[0], tiles=tiles).float() - ref.float()).abs().max().item()
                 results.append({**tiles._asdict(), "ms": bench(lambda w: skinny_linear(x, w, tiles=tiles)),

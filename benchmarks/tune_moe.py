@@ -109,8 +109,14 @@ def main() -> None:
     grids = QUANT_GRIDS[a.quantize] if a.quantize else GRIDS
 
     def randn(*shape: int) -> torch.Tensor | QuantWeight:
-        w = torch.randn(*shape, device=dev, dtype=dt) * shape[-1] ** -0.5
-        return w if fmt is None else QuantWeight(fmt, fmt.to_model(fmt.quantize(w), shape[-2]), shape[-1])
+        if fmt is None:
+            return torch.randn(*shape, device=dev, dtype=dt) * shape[-1] ** -0.5
+        # experts quantized 16 at a time: the quantizer's fp32 temporaries of all 512 of Nemotron-3-Super's
+        # at once outgrow an H100
+        lead, (n, kk) = shape[:-2], shape[-2:]
+        chunks = [(min(16, lead[0] - e),) for e in range(0, lead[0], 16)] if lead else [()]
+        parts = [fmt.to_model(fmt.quantize(torch.randn(*c, n, kk, device=dev, dtype=dt) * kk ** -0.5), n) for c in chunks]
+        return QuantWeight(fmt, {s: torch.cat([p[s] for p in parts]) for s in parts[0]}, kk)
 
     def nbytes(n: int, kk: int) -> int:
         return n * kk * 2 if fmt is None else fmt.weight_bytes(n, kk)

@@ -40,10 +40,9 @@ QUANT_MAX_ROWS = 64
 
 class LinearTiles(NamedTuple):
     """Launch configuration: column block, K step, K splits (programs per column block), warps,
-    software-pipeline stages; ``gemv``: a quantized weight by FMA (``weight_fma``: products kept per
-    row and input position and summed once after the K loop, so the weight never goes through shared
-    memory to reach a dot's layout) instead of tensor-core dots; each weight value dequantized once
-    for every row (of at most ``MAX_ROWS`` a launch) and its FMAs multiplied by the rows."""
+    software-pipeline stages; ``gemv``: a quantized weight's one-row launch by FMA (``weight_fma``:
+    products kept per input position and summed once after the K loop, so the weight never goes
+    through shared memory to reach a dot's layout) instead of tensor-core dots."""
 
     block_n: int
     block_k: int
@@ -85,17 +84,13 @@ if triton is not None:
         col_ok = cols < N
         ts = tl.arange(0, T_P)
         t_ok = ts < T
-        if GEMV:  # T_P rows (past T: row T - 1 again, not stored); one row without the rows' dim
+        if GEMV:  # one row (T_P = 1)
             k_lo = s * K_SPLIT
-            x_rows = 0 if T_P == 1 else tl.minimum(ts, T - 1) * stride_xt
-            per_row: tl.constexpr = [BLOCK_N, BLOCK_K // 16, 8] if FORMAT == 1 else [BLOCK_N, BLOCK_K]
-            acc3 = tl.zeros(per_row if T_P == 1 else [T_P] + per_row, tl.float32)
+            acc3 = tl.zeros([BLOCK_N, BLOCK_K // 16, 8] if FORMAT == 1 else [BLOCK_N, BLOCK_K], tl.float32)
             for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
-                acc3 = weight_fma(W, S, cols * stride_wn, cols * stride_sn, col_ok, x_step(X, x_rows, k0, K, FORMAT, BLOCK_K),
+                acc3 = weight_fma(W, S, cols * stride_wn, cols * stride_sn, col_ok, x_step(X, 0, k0, K, FORMAT, BLOCK_K),
                                   k0, K, acc3, FORMAT, BLOCK_K, CVT)
-            acc = fma_sum(acc3, FORMAT)
-            if T_P == 1:
-                acc = acc[None, :]
+            acc = fma_sum(acc3, FORMAT)[None, :]
         else:
             acc = split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, s * K_SPLIT, K_SPLIT, K,
                             FORMAT, WIDEN, PREC, BLOCK_K, CVT)
@@ -153,8 +148,9 @@ def quant_tiles(rows: int, n: int, k: int, fmt: int) -> LinearTiles:
     2048 x 4096 6.3, 3072 x 8192 12.8, 3072 x 6144 10.4, 3072 x 1024 4.2; the 35B's at the tensor-core
     tiles below took 18.7 / 19.3 / 9.6 us for 9216 x 2048 / 12352 x 2048 / 2048 x 4096.
 
-    Otherwise (more rows: the best of the sweep's tensor-core tiles at 7; the FMA path over several
-    rows is a candidate of the sweep, not yet timed): K steps of 128 inputs; columns in blocks of 32
+    Otherwise (more rows: the FMA path over a verify's 7 rows, each weight value dequantized once for
+    all of them, took 2.2-3.0x the tensor-core tiles' time on the 35B's projections at 5b250f6,
+    ``h100/tuning/tune_linear_nvfp4_fma_rows.json``): K steps of 128 inputs; columns in blocks of 32
     up to 1024 outputs, 64 up to 4096, 128 above; as many K splits (8, 4, 2) as keep the launch within
     600 programs (at 3e78b3e, 1 / 7 rows: 2048 x 4096 at 64 x 128 in 8 splits 9.4 / 9.3 us; 9216 x 2048
     at 128 x 128 in 8 splits 18.9 / 19.2 us and 12352 x 2048 in 4 splits 19.4 / 19.1 us, against
@@ -222,9 +218,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
             raise ValueError(f"skinny_linear: NVFP4 block_k {bk} must be a power of 2 >= 16")
         if kw.format == FP8_CODE and (128 % bk or bk < 16):
             raise ValueError(f"skinny_linear: FP8 block_k {bk} must divide the 128-input scale blocks")
-        if cfg.gemv and not quant:
-            raise ValueError(f"skinny_linear: gemv tiles take a quantized weight (weight {tuple(weight.shape)} "
-                             f"{weight.dtype})")
+        if cfg.gemv and (T != 1 or not quant):
+            raise ValueError(f"skinny_linear: gemv tiles take one row of a quantized weight (x {tuple(x.shape)}, "
+                             f"weight {kw.format})")
         k_split = triton.cdiv(triton.cdiv(K, cfg.splits), bk) * bk  # a multiple of the K step
         splits = triton.cdiv(K, k_split)
         blocks = triton.cdiv(N, cfg.block_n)
@@ -237,7 +233,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
                 xs, kw.weight, kw.scale, kw.rows, outs if bias is None else bias, outs, part,
                 arrival_counters(x.device, blocks), t, N, K, xs.stride(0), kw.weight.stride(0), kw.scale.stride(0),
                 outs.stride(0), k_split, FORMAT=kw.format, HAS_BIAS=bias is not None, SPLITS=splits,
-                T_P=triton.next_power_of_2(t) if cfg.gemv else MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=bk, GEMV=cfg.gemv,
+                T_P=1 if cfg.gemv else MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=bk, GEMV=cfg.gemv,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 **dot_flags(x.dtype), **e2m1_cvt(x.device), **pdl(x.device))
     return out.view(*x.shape[:-1], N)

@@ -230,9 +230,7 @@ if triton is not None:
                    CVT: tl.constexpr):
         """``acc`` plus K step ``[k0, k0 + BLOCK_K)``'s products of every row's weights (group scales
         applied) and the step's inputs ``xs`` (``x_step``), kept per input position: NVFP4 [rows,
-        BLOCK_K / 16, 8] (each byte's even and odd input summed), FP8 and float [rows, BLOCK_K]; with
-        several rows of x (``xs`` [x rows, ..]) ``acc`` leads with them, each weight value dequantized
-        once for all. The
+        BLOCK_K / 16, 8] (each byte's even and odd input summed), FP8 and float [rows, BLOCK_K]. The
         sum over K (``fma_sum``) waits for the caller's end of the loop: a step moves nothing
         between threads, and the weight never passes through shared memory (the tensor-core tiles'
         fp16 weights do, twice:
@@ -259,11 +257,11 @@ if triton is not None:
 
     @triton.jit
     def fma_sum(acc, FORMAT: tl.constexpr):
-        """A ``weight_fma`` accumulator's rows summed over the inputs: [.., rows]."""
+        """A ``weight_fma`` accumulator's rows summed: [rows]."""
         if FORMAT == 1:
-            return tl.sum(tl.sum(acc, len(acc.shape) - 1), len(acc.shape) - 2)
+            return tl.sum(tl.sum(acc, 2), 1)
         else:
-            return tl.sum(acc, len(acc.shape) - 1)
+            return tl.sum(acc, 1)
 
     @triton.jit
     def row_scale(acc, R, r_rows, row_ok, FORMAT: tl.constexpr):
