@@ -81,7 +81,7 @@ def sweep(name: str, fn: Callable[..., torch.Tensor], layers: int, nbytes: int, 
 
     results = []
     for bn, bk, nw, ns, *fma in grid:
-        cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns, **({"FMA": True} if fma == [True] else {})}
+        cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns, **({"FMA": fma[0]} if fma else {})}
         try:
             results.append({**cfg, "ms": per_launch(**cfg)})
         except Exception as e:  # resources exceeded for this tile: not a candidate
