@@ -54,7 +54,8 @@ def cases() -> dict[str, tuple]:
     # the MoE kernels at the tiles the engine launches them with (a token's, a verify's)
     for (fmt, cvt), act, big in itertools.product(CVT, ("swiglu", "relu2", "linear"), (False, True)):
         code, w, s = QUANT_FORMATS[fmt]
-        (bn, bk), warps, fma = pair_tiles(code, ("swiglu", "relu2", "linear").index(act), big)
+        # at the 35B's K (2048); the 122B's SwiGLU token tile (K 3072) is the verify's
+        (bn, bk), warps, fma = pair_tiles(code, ("swiglu", "relu2", "linear").index(act), big, 2048)
         out[f"pair_gemv-{fmt}-cvt{int(cvt)}-{act}-{'verify' if big else 'token'}"] = (
             "wmtp.kernels.moe:_swiglu_gemv_kernel",
             {"X": "*bf16", "WG": w, "WU": w, "CG": s, "CU": s, "RG": "*fp32", "RU": "*fp32", "IDX": "*i64", "SG": w,

@@ -284,25 +284,29 @@ def _experts(name: str, x: torch.Tensor, w: Weight, k_dim: int) -> KernelWeight:
     return kernel_weight(name, w)
 
 
-def pair_tiles(fmt: int, act: int, big: bool) -> tuple[tuple[int, int], int, bool]:
+def pair_tiles(fmt: int, act: int, big: bool, k: int) -> tuple[tuple[int, int], int, bool]:
     """The pair-wise GEMV's default ((BLOCK_N, BLOCK_K), num_warps, FMA) for weights of kernel format
-    ``fmt`` (``quant_tiles``), activation ``act`` and ``big`` (32 or more rows of pairs: a verify's);
-    FP8's K step within its 128-input scale block (``_k_step``)."""
+    ``fmt`` (``quant_tiles``), activation ``act``, ``big`` (32 or more rows of pairs: a verify's) and
+    ``k`` inputs; FP8's K step within its 128-input scale block (``_k_step``)."""
     fma = False
     if fmt == FLOAT:
         # 8 x 256 for a token's 8 pairs, 16 x 128 for a verify's 56: best on the H200 for the 35B
         # shape with the shared rows folded in (9.8 / 52.7 us; benchmarks/tune_moe.py)
         (bn, bk), warps = ((16, 128) if big else (8, 256)), 8
+    elif fmt == NVFP4_CODE and (act == SWIGLU or not big or act == LINEAR):
+        # FMA products summed after the K loop, 8 x 256 at 4 warps (SwiGLU: K steps of 512 up to 2048
+        # inputs). On an H100 (tune_moe.py --quantize nvfp4, h100/tuning/tune_moe_nvfp4_*.json) against
+        # the best dot tiles: the 35B's SwiGLU 9.7 / 46.5 us at 1 / 7 tokens against 11.3 / 52.2, the
+        # 122B's 21.0 / 139.8 against 26.5 / 160.6 (K 3072, where 8 x 512 took 25.4 at a token);
+        # Nemotron-3-Super's 22 latent experts a token, up (ReLU²) 26.7 against 29.1, down 29.5 / 182.2
+        # against 33.6 / 215.6
+        (bn, bk), warps, fma = (8, 512 if act == SWIGLU and not big and k <= 2048 else 256), 4, True
     elif act != SWIGLU:
         # ungated quantized (one weight tile a K step, fewer registers): 28.5 / 185.2 us against 36.3 /
         # 243.8 at the gated tiles for Nemotron-3-Super's 22 experts of [2688, 1024] on the H200
-        # (tune_moe.py --quantize nvfp4 --top-k 22)
+        # (tune_moe.py --quantize nvfp4 --top-k 22); NVFP4's ReLU² verify keeps 32 x 256 (186.4 us
+        # against 189.9 by FMA for Nemotron-3-Super's 8 tokens, H100)
         (bn, bk), warps = ((32, 256) if big else (8, 256)), 4
-    elif fmt == NVFP4_CODE:
-        # FMA products summed after the K loop: best on an H100 for the 35B shape, 9.7 / 46.5 us at
-        # 1 / 7 tokens against 11.3 / 52.2 at the best dot tiles (8 x 512, 8 / 4 warps; tune_moe.py
-        # --quantize nvfp4 --cases swiglu_routed_shared, at f5d33f0)
-        (bn, bk), warps, fma = ((8, 256) if big else (8, 512)), 4, True
     else:  # FP8: the H200's best tiles for NVFP4 before that sweep (19.6 / 77.8 us); not swept for FP8 itself
         (bn, bk), warps = ((16, 128), 4) if big else ((16, 256), 8)
     return (bn, _k_step(fmt, bk)), warps, fma
@@ -402,7 +406,7 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
     Ts, Ns = (T, sg.shape[0]) if shared is not None else (0, N)
     buf = torch.empty(P * N + Ts * Ns, device=x.device, dtype=x.dtype)
     if P + Ts:
-        (bn, bk), warps, fma = pair_tiles(g.format, act, P + Ts >= 32)
+        (bn, bk), warps, fma = pair_tiles(g.format, act, P + Ts >= 32, K)
         cfg = {"BLOCK_N": launch_tile(bn, max(N, Ns)), "BLOCK_K": _block_k(g, bk, K), "num_warps": warps, "FMA": fma,
                **launch}
         we, wn, ce, cn = g.strides()
