@@ -96,7 +96,7 @@ def sweep(name: str, fn: Callable[..., torch.Tensor], layers: int, nbytes: int, 
 def main() -> None:
     a = parse_args()
     from wmtp.bench.step import revision
-    from wmtp.kernels.moe import down_combine, relu2_gemv, route_topk, swiglu_gemv_with_shared
+    from wmtp.kernels.moe import MAX_FUSED_TOP_K, down_combine, relu2_gemv, route_topk, swiglu_gemv_with_shared
 
     dev, dt, E, H, I, Is, k = "cuda", torch.bfloat16, a.experts, a.hidden, a.inter, a.shared_inter, a.top_k
     cases = set(a.cases.split(","))
@@ -157,7 +157,9 @@ def main() -> None:
             out.append(sweep("down_combine_shared", combine, a.layers, distinct * nbytes(H, I) + nbytes(H, Is), T,
                              grids["down_combine_shared"]))
         if "down_pairs" in cases:
-            out.append(sweep("down_pairs", pairs, a.layers, distinct * nbytes(H, I), T, grids["down_pairs"]))
+            # within MAX_FUSED_TOP_K experts a token down_combine's fused kernel runs, which has no FMA form
+            grid = grids["down_pairs"] if k > MAX_FUSED_TOP_K else [g[:4] for g in grids["down_pairs"] if not any(g[4:])]
+            out.append(sweep("down_pairs", pairs, a.layers, distinct * nbytes(H, I), T, grid))
         if "relu2_up" in cases:
             out.append(sweep("relu2_up", relu2, a.layers, distinct * nbytes(I, H), T, grids["relu2_up"]))
     with open(a.out, "w") as f:

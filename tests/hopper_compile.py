@@ -40,7 +40,7 @@ def cases() -> dict[str, tuple]:
              "COUNT": "*i32", **_ints("T", "N", "K", "stride_xt", "stride_wn", "stride_sn", "stride_ot", "K_SPLIT")},
             dict(FORMAT=code, HAS_BIAS=True, SPLITS=splits, WIDEN=False, PREC="tf32", T_P=16, BLOCK_N=tiles.block_n,
                  BLOCK_K=tiles.block_k, CVT=cvt, GEMV=False, PDL=True), {"num_warps": tiles.num_warps})
-    # the one-row FMA path (LinearTiles.gemv): NVFP4's default, FP8's candidate in tune_linear's sweep
+    # the one-row FMA path (LinearTiles.gemv): NVFP4's default (4 warps), FP8's up to 4096 outputs (32 x 128, 8 warps)
     for (fmt, cvt), (bn, bk) in itertools.product(CVT, ((8, 256), (16, 256), (32, 128))):
         code, w, s = QUANT_FORMATS[fmt]
         out[f"skinny_linear_gemv-{fmt}-cvt{int(cvt)}-{bn}x{bk}"] = (
@@ -48,7 +48,8 @@ def cases() -> dict[str, tuple]:
             {"X": "*bf16", "W": w, "S": s, "R": "*fp32", "BIAS": "*bf16", "OUT": "*bf16", "PART": "*fp32",
              "COUNT": "*i32", **_ints("T", "N", "K", "stride_xt", "stride_wn", "stride_sn", "stride_ot", "K_SPLIT")},
             dict(FORMAT=code, HAS_BIAS=False, SPLITS=4, WIDEN=False, PREC="tf32", T_P=1, BLOCK_N=bn,
-                 BLOCK_K=min(bk, 128) if fmt == "fp8" else bk, CVT=cvt, GEMV=True, PDL=True))
+                 BLOCK_K=min(bk, 128) if fmt == "fp8" else bk, CVT=cvt, GEMV=True, PDL=True),
+            {"num_warps": 8 if fmt == "fp8" else 4})
     from wmtp.kernels.moe import down_combine_tiles, pair_tiles
 
     # the MoE kernels at the tiles the engine launches them with (a token's, a verify's)

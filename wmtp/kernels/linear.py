@@ -156,14 +156,19 @@ def quant_tiles(rows: int, n: int, k: int, fmt: int) -> LinearTiles:
     at 128 x 128 in 8 splits 18.9 / 19.2 us and 12352 x 2048 in 4 splits 19.4 / 19.1 us, against
     21.0 / 21.1 and 23.7 / 23.6 at 64-wide blocks). FP8 keeps these: over Nemotron-3-Super's FP8
     projections the sweep's best was 0-23% faster (1.3 us at most), at a different tile per shape
-    (``h100/tuning/tune_linear_fp8_nemotron.json``)."""
+    (``h100/tuning/tune_linear_fp8_nemotron.json``). One FP8 row of up to 4096 outputs takes the FMA
+    path in 32-wide blocks at 8 warps (the splits as above), on an H100 faster than those tiles over
+    every such projection of the 35B and Nemotron-3-Super (2048 x 4096 6.4 against 7.2 us, 4096 x 4096
+    9.9 / 11.2, 4096 x 1024 4.5 / 5.7, 512 x 2048 3.3 / 3.7; ``tune_linear_fp8.json``, at 0466e6e);
+    wider ones lost there (12352 x 2048 15.1 against 12.6, 5376 x 4096 15.5 / 12.5)."""
     if rows == 1 and fmt == NVFP4_CODE:
         splits = 2 if n >= 8192 else 4
         return LinearTiles(8, 512 if k == 4096 else 256, max(1, min(splits, k // 256)), 4, gemv=True)
-    block_n = 32 if n <= 1024 else 64 if n <= 4096 else 128
+    fp8_gemv = rows == 1 and fmt == FP8_CODE and n <= 4096
+    block_n = 32 if n <= 1024 or fp8_gemv else 64 if n <= 4096 else 128
     blocks = -(-n // block_n)
     splits = next(s for s in (8, 4, 2, 1) if s == 1 or blocks * s <= 600)
-    return LinearTiles(block_n, 128, max(1, min(splits, k // 128)), 4)
+    return LinearTiles(block_n, 128, max(1, min(splits, k // 128)), 8 if fp8_gemv else 4, gemv=fp8_gemv)
 
 
 def dot_flags(dtype: torch.dtype) -> dict[str, object]:

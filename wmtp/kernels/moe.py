@@ -307,8 +307,11 @@ def pair_tiles(fmt: int, act: int, big: bool, k: int) -> tuple[tuple[int, int], 
         # (tune_moe.py --quantize nvfp4 --top-k 22); NVFP4's ReLU² verify keeps 32 x 256 (186.4 us
         # against 189.9 by FMA for Nemotron-3-Super's 8 tokens, H100)
         (bn, bk), warps = ((32, 256) if big else (8, 256)), 4
-    else:  # FP8: the H200's best tiles for NVFP4 before that sweep (19.6 / 77.8 us); not swept for FP8 itself
-        (bn, bk), warps = ((16, 128), 4) if big else ((16, 256), 8)
+    else:
+        # FP8 SwiGLU: the FMA form 16 x 128 at 8 warps for a token, dots 32 x 128 at 4 for a verify:
+        # 13.0 / 42.0 us against 13.8 / 48.4 at the tiles before (dots 16 x 128, 8 / 4 warps; the 35B
+        # shape on an H100, h100/tuning/tune_moe_fp8.json)
+        (bn, bk), warps, fma = ((32, 128), 4, False) if big else ((16, 128), 8, True)
     return (bn, _k_step(fmt, bk)), warps, fma
 
 
@@ -323,8 +326,8 @@ def down_combine_tiles(fmt: int, tokens: int, top_k: int) -> tuple[tuple[int, in
         # 6.7 / 33.3 us at 1 / 7 tokens against 9.1 / 44.5 at FP8's tiles on an H100, without the
         # shared term (h100/tuning/tune_moe_nvfp4.json)
         (rows, bk), warps = ((16, 256) if tokens == 1 else (32, 256)), 8
-    else:  # FP8: likewise NVFP4's H200 tiles before that sweep (12.7 / 63.3 us)
-        (rows, bk), warps = (4, 256), (8 if tokens == 1 else 4)
+    else:  # FP8: 8.6 / 27.0 us against 9.5 / 29.8 at 4 rows, 8 / 4 warps (the 35B shape on an H100, tune_moe_fp8.json)
+        (rows, bk), warps = ((4, 128) if tokens == 1 else (16, 128)), 4
     return (max(2, rows * 8 // triton.next_power_of_2(top_k)), _k_step(fmt, bk)), warps
 
 
