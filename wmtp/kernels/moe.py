@@ -303,7 +303,7 @@ def pair_tiles(fmt: int, act: int, big: bool, k: int) -> tuple[tuple[int, int], 
         # 8 x 256 for a token's 8 pairs, 16 x 128 for a verify's 56: best on the H200 for the 35B
         # shape with the shared rows folded in (9.8 / 52.7 us; benchmarks/tune_moe.py)
         (bn, bk), warps = ((16, 128) if big else (8, 256)), 8
-    elif fmt == NVFP4_CODE and (act == SWIGLU or not big or act == LINEAR):
+    elif fmt == NVFP4_CODE and not (act == RELU2 and big):
         # FMA products summed after the K loop, 8 x 256 at 4 warps (SwiGLU: K steps of 512 up to 2048
         # inputs). On an H100 (tune_moe.py --quantize nvfp4, h100/tuning/tune_moe_nvfp4_*.json) against
         # the best dot tiles: the 35B's SwiGLU 9.7 / 46.5 us at 1 / 7 tokens against 11.3 / 52.2, the
