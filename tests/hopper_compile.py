@@ -78,15 +78,8 @@ def cases() -> dict[str, tuple]:
              "RS": "*fp32", "SL": "*fp32", "OUT": "*bf16",
              **_ints("N", "K", "KS", "stride_we", "stride_wn", "stride_ce", "stride_cn", "stride_re", "stride_ws",
                      "stride_cs")},
-            dict(TOP_K=8, TOP_K_P=8, SHARED=shared, FORMAT=code, BLOCK_N=bn, BLOCK_K=bk, CVT=cvt, FMA=False, PDL=True),
+            dict(TOP_K=8, TOP_K_P=8, SHARED=shared, FORMAT=code, BLOCK_N=bn, BLOCK_K=bk, CVT=cvt, PDL=True),
             {"num_warps": warps})
-    # down_combine's FMA form, tune_moe's candidate, at its register-sized tiles (8 experts x 8 / 4 rows)
-    for fmt, cvt in CVT:
-        code, w, s = QUANT_FORMATS[fmt]
-        case = out[f"down_combine-{fmt}-cvt{int(cvt)}-shared1-tokens1"]
-        out[f"down_combine_fma-{fmt}-cvt{int(cvt)}"] = (
-            case[0], case[1], {**case[2], "FMA": True, "BLOCK_N": 8 if fmt == "nvfp4" else 4,
-                               "BLOCK_K": 256 if fmt == "nvfp4" else 128}, {"num_warps": 8})
     # the paged attention kernel at the launch configurations paged_attention picks (module docstring
     # there): compiled, spills allowed (its [64, 256] fp32 accumulator spills at 4 warps and still
     # reads keys at the bandwidth floor)

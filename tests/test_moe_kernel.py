@@ -134,7 +134,6 @@ def test_down_combine_matches_reference(with_shared, top_k):
         shared = (hs, ws, logit)
         want = want + torch.sigmoid(logit)[:, None] * (hs @ ws.T)
     assert _close(down_combine(h, down, idx, top_w, top_k, shared), want)
-    assert _close(down_combine(h, down, idx, top_w, top_k, shared, FMA=True), want)  # the FMA form
 
 
 @pytest.mark.parametrize("tokens,top_k,norm,shared", [(1, 2, True, False), (7, 4, False, True), (13, 3, True, True)])

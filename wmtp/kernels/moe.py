@@ -197,10 +197,8 @@ if triton is not None:
     def _down_combine_kernel(H, W, C, R, IDX, TW, HS, WS, CS, RS, SL, OUT, N, K, KS, stride_we, stride_wn, stride_ce,
                              stride_cn, stride_re, stride_ws, stride_cs, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
                              SHARED: tl.constexpr, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             CVT: tl.constexpr, FMA: tl.constexpr, PDL: tl.constexpr):
-        """Weights in FORMAT (``quant_tiles``): routed W, C, R (expert strides *_e), shared WS, CS, RS.
-        FMA: the routed experts' products summed once after the K loop (``weight_fma``), as the pair
-        GEMV's FMA form; the shared expert's by dots either way."""
+                             CVT: tl.constexpr, PDL: tl.constexpr):
+        """Weights in FORMAT (``quant_tiles``): routed W, C, R (expert strides *_e), shared WS, CS, RS."""
         wait_prior(PDL)
         t = tl.program_id(0)
         nb = tl.program_id(1)
@@ -218,18 +216,10 @@ if triton is not None:
         c_rows = e[:, None] * stride_ce + rows[None, :] * stride_cn
         ok = sel_ok[:, None] & row_ok[None, :]
         h_off = tl.where(sel_ok, p, 0) * K  # padded experts read a valid row (their weights are 0)
-        if FMA:
-            acc3 = tl.zeros([TOP_K_P, BLOCK_N, BLOCK_K // 16, 8] if FORMAT == 1 else [TOP_K_P, BLOCK_N, BLOCK_K],
-                            tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                acc3 = weight_fma(w_base, C, w_rows, c_rows, ok, x_step(H, h_off, k0, K, FORMAT, BLOCK_K), k0, K, acc3,
-                                  FORMAT, BLOCK_K, CVT)
-            acc = fma_sum(acc3, FORMAT)
-        else:
-            acc = tl.zeros([TOP_K_P, BLOCK_N], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                xs = x_step(H, h_off, k0, K, FORMAT, BLOCK_K)
-                acc += weight_dot(w_base, C, w_rows, c_rows, ok, xs, k0, K, FORMAT, BLOCK_K, CVT)
+        acc = tl.zeros([TOP_K_P, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xs = x_step(H, h_off, k0, K, FORMAT, BLOCK_K)
+            acc += weight_dot(w_base, C, w_rows, c_rows, ok, xs, k0, K, FORMAT, BLOCK_K, CVT)
         acc = row_scale(acc, R, e[:, None] * stride_re + rows[None, :], ok, FORMAT)
         tw = tl.load(TW + p, mask=sel_ok, other=0.0)  # padded experts weigh 0 (and their acc is 0)
         out = tl.sum(acc.to(dt).to(tl.float32) * tw[:, None], 0)  # each expert rounded as the reference's
@@ -462,8 +452,7 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
     out = torch.empty(T, N, device=h.device, dtype=h.dtype)
     if T:
         (rows, bk), warps = down_combine_tiles(d.format, T, top_k)
-        cfg = {"BLOCK_N": launch_tile(rows, N), "BLOCK_K": _block_k(d, bk, K), "num_warps": warps, "FMA": False,
-               **launch}
+        cfg = {"BLOCK_N": launch_tile(rows, N), "BLOCK_K": _block_k(d, bk, K), "num_warps": warps, **launch}
         hs, sl = (out, out) if shared is None else (shared[0].contiguous(), shared[2].float().contiguous())
         we, wn, ce, cn = d.strides()
         _down_combine_kernel[(T, triton.cdiv(N, cfg["BLOCK_N"]))](

@@ -257,11 +257,11 @@ if triton is not None:
 
     @triton.jit
     def fma_sum(acc, FORMAT: tl.constexpr):
-        """A ``weight_fma`` accumulator's rows (of any shape) summed over their inputs: [rows]."""
+        """A ``weight_fma`` accumulator's rows summed: [rows]."""
         if FORMAT == 1:
-            return tl.sum(tl.sum(acc, len(acc.shape) - 1), len(acc.shape) - 2)
+            return tl.sum(tl.sum(acc, 2), 1)
         else:
-            return tl.sum(acc, len(acc.shape) - 1)
+            return tl.sum(acc, 1)
 
     @triton.jit
     def row_scale(acc, R, r_rows, row_ok, FORMAT: tl.constexpr):
