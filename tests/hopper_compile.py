@@ -69,10 +69,13 @@ def cases() -> dict[str, tuple]:
             case = out[f"pair_gemv-{fmt}-cvt{int(cvt)}-swiglu-{'verify' if big else 'token'}"]
             out[f"pair_gemv_other-{fmt}-cvt{int(cvt)}-{'verify' if big else 'token'}"] = (
                 case[0], case[1], {**case[2], "FMA": not fma}, case[3])
-    for (fmt, cvt), shared, tokens in itertools.product(CVT, (False, True), (1, 7)):
+    # at the 35B's K (512) and the 122B's (1024), where their tiles differ
+    for (fmt, cvt), shared, tokens, k in itertools.product(CVT, (False, True), (1, 7), (512, 1024)):
         code, w, s = QUANT_FORMATS[fmt]
-        (bn, bk), warps = down_combine_tiles(code, tokens, 8)
-        out[f"down_combine-{fmt}-cvt{int(cvt)}-shared{int(shared)}-tokens{tokens}"] = (
+        (bn, bk), warps = down_combine_tiles(code, tokens, 8, k)
+        if k > 512 and ((bn, bk), warps) == down_combine_tiles(code, tokens, 8, 512):
+            continue
+        out[f"down_combine-{fmt}-cvt{int(cvt)}-shared{int(shared)}-tokens{tokens}-k{k}"] = (
             "wmtp.kernels.moe:_down_combine_kernel",
             {"H": "*bf16", "W": w, "C": s, "R": "*fp32", "IDX": "*i64", "TW": "*fp32", "HS": "*bf16", "WS": w, "CS": s,
              "RS": "*fp32", "SL": "*fp32", "OUT": "*bf16",

@@ -315,17 +315,23 @@ def pair_tiles(fmt: int, act: int, big: bool, k: int) -> tuple[tuple[int, int], 
     return (bn, _k_step(fmt, bk)), warps, fma
 
 
-def down_combine_tiles(fmt: int, tokens: int, top_k: int) -> tuple[tuple[int, int], int]:
-    """``down_combine``'s default ((BLOCK_N, BLOCK_K), num_warps): its [top_k, BLOCK_N, BLOCK_K]
-    weight tile is held in registers, so more experts a token take as many fewer rows."""
+def down_combine_tiles(fmt: int, tokens: int, top_k: int, k: int) -> tuple[tuple[int, int], int]:
+    """``down_combine``'s default ((BLOCK_N, BLOCK_K), num_warps) for ``k`` inputs (the experts'
+    intermediate size): its [top_k, BLOCK_N, BLOCK_K] weight tile is held in registers, so more
+    experts a token take as many fewer rows."""
     if fmt == FLOAT:
         # 8 x 8 x 128 at 8 warps is 32 values a thread for top_k 8; best on the H200 at 1 and 7
         # tokens (5.1 / 31.0 us, vs 9.2 / 40.2 at 4 warps; benchmarks/tune_moe.py)
         (rows, bk), warps = (8, 128), 8
     elif fmt == NVFP4_CODE:
-        # 6.7 / 33.3 us at 1 / 7 tokens against 9.1 / 44.5 at FP8's tiles on an H100, without the
-        # shared term (h100/tuning/tune_moe_nvfp4.json)
-        (rows, bk), warps = ((16, 256) if tokens == 1 else (32, 256)), 8
+        # with the shared term, on an H100 (h100/tuning/tune_moe_nvfp4_down.json, _122b_down.json):
+        # the 35B's 512 inputs 8.8 / 35.1 us at 1 / 7 tokens against 9.4 / 39.8 at 16 x 256 / 32 x 256
+        # and 8 warps; the 122B's 1024 inputs 20.7 / 118.8 against 23.2 / 123.1 (and 23.8 / 140.7 at
+        # the 35B's tiles)
+        if tokens == 1:
+            (rows, bk), warps = (8, 256), (8 if k <= 512 else 4)
+        else:
+            (rows, bk), warps = ((16, 128), 4) if k <= 512 else ((16, 256), 8)
     else:  # FP8: 8.6 / 27.0 us against 9.5 / 29.8 at 4 rows, 8 / 4 warps (the 35B shape on an H100, tune_moe_fp8.json)
         (rows, bk), warps = ((4, 128) if tokens == 1 else (16, 128)), 4
     return (max(2, rows * 8 // triton.next_power_of_2(top_k)), _k_step(fmt, bk)), warps
@@ -451,7 +457,7 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
         return combine_sorted(y, None, top_w.reshape(T, top_k))
     out = torch.empty(T, N, device=h.device, dtype=h.dtype)
     if T:
-        (rows, bk), warps = down_combine_tiles(d.format, T, top_k)
+        (rows, bk), warps = down_combine_tiles(d.format, T, top_k, K)
         cfg = {"BLOCK_N": launch_tile(rows, N), "BLOCK_K": _block_k(d, bk, K), "num_warps": warps, **launch}
         hs, sl = (out, out) if shared is None else (shared[0].contiguous(), shared[2].float().contiguous())
         we, wn, ce, cn = d.strides()
