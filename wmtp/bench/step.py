@@ -32,6 +32,7 @@ import torch
 from wmtp.bench.gpu_state import describe_gpu_state, gpu_state
 from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.engine.engine import Engine
+from wmtp.engine.memory import CapacityError
 from wmtp.models.parallel import TPGroup
 
 
@@ -216,6 +217,7 @@ def admission(model, mode: str, a: argparse.Namespace) -> dict:
 
     spec = _spec(mode, a.d, a.window, a.sink)
     free, _ = torch.cuda.mem_get_info()
+    held = torch.cuda.memory_allocated()  # the weights and whatever else is alive: what the pools cannot have
     budget = free - int(a.reserve_gib * 2**30)
     eng = Engine(model, spec, EngineConfig(max_model_len=a.context + 64, max_num_seqs=a.max_admit,
                                            page_size=a.page_size, kv_memory_bytes=budget, kv_cache_dtype=kv_dtype(mode)))
@@ -225,17 +227,17 @@ def admission(model, mode: str, a: argparse.Namespace) -> dict:
         while n < a.max_admit:
             add_synthetic_request(eng, a.context, 32, seed=n)
             n += 1
-    except MemoryError:
+    except (MemoryError, CapacityError):  # CapacityError: not even one fits the budget
         pass
     t = _sync_time(eng.step) if n else float("nan")
     mem = eng.memory.bytes_report()
     per_req = next(iter(eng.requests.values())).metrics.memory_bytes if n else {}
     del eng
     release_pools(model)
-    print(f"[{mode:8s}] admitted {n} requests of {a.context} tokens in {budget / 2**30:.1f} GiB; one step {t * 1e3:.1f} ms",
-          flush=True)
+    print(f"[{mode:8s}] admitted {n} requests of {a.context} tokens in {budget / 2**30:.1f} GiB (torch held "
+          f"{held / 2**30:.1f} GiB besides); one step {t * 1e3:.1f} ms", flush=True)
     return {"mode": mode, "S": a.context, "d": spec.verify_tokens, "max_admitted": n, "admit_cap": a.max_admit,
-            "kv_budget_bytes": budget,
+            "kv_budget_bytes": budget, "torch_allocated_bytes": held,
             "pools": mem, "per_request_bytes": per_req, "step_s": t}
 
 
@@ -339,14 +341,19 @@ def run_step(a: argparse.Namespace, bw: dict | None = None, tp: TPGroup | None =
                        "t_iter": "overlapped (engine default): interval between consecutive iterations' results; "
                                  "t_iter_sync: each step GPU-synchronised before and after"},
               "rows": rows, "summary": summary}
+    def save() -> None:  # after each part: a later part that fails leaves the earlier ones written
+        if tp is None or tp.rank == 0:
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps(result, indent=1))
+            print(f"wrote {a.out}")
+
+    save()
     if a.kernels:
         result["kernels"] = kernel_bench(a, device)
+        save()
     if a.admission:
         result["admission"] = [admission(model, m, a) for m in modes]
-    if tp is None or tp.rank == 0:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(result, indent=1))
-        print(f"wrote {a.out}")
+        save()
     return 0
 
 
