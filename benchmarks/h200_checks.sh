@@ -53,10 +53,10 @@ if [[ $parts == *moeshapes* ]]; then
   qs=${QTUNE:-nvfp4}
   for q in ${qs//,/ }; do
     run "tune moe $q nemotron" python3 benchmarks/tune_moe.py --quantize "$q" --experts 512 --hidden 1024 --inter 2688 \
-      --shared-inter 128 --top-k 22 --tokens 1,8 --layers 2 --cases relu2_up,down_pairs \
+      --shared-inter 128 --top-k 22 --tokens 1,8 --cases relu2_up,down_pairs \
       --out "$WORK/tune_moe_${q}_nemotron.json"
     run "tune moe $q 122b" python3 benchmarks/tune_moe.py --quantize "$q" --experts 256 --hidden 3072 --inter 1024 \
-      --shared-inter 1024 --top-k 8 --tokens 1,8 --layers 2 --cases swiglu_routed_shared,down_combine_shared \
+      --shared-inter 1024 --top-k 8 --tokens 1,8 --cases swiglu_routed_shared,down_combine_shared \
       --out "$WORK/tune_moe_${q}_122b.json"
   done
 fi

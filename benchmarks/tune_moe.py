@@ -46,8 +46,8 @@ GRIDS = {
 QUANT_GRIDS = {
     "nvfp4": {"swiglu_routed_shared": list(itertools.product((8, 16), (128, 256, 512), (4, 8), (3,), (False, True))),
               "down_combine_shared": list(itertools.product((2, 4, 8, 16), (64, 128, 256), (4, 8), (2,))),
-              "relu2_up": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (3,), (False, True))),
-              "down_pairs": list(itertools.product((8, 16, 32), (128, 256), (4, 8), (3,), (False, True)))},
+              "relu2_up": list(itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (3,), (False, True))),
+              "down_pairs": list(itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (3,), (False, True)))},
     "fp8": {"swiglu_routed_shared": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,), (False, True))),
             "down_combine_shared": list(itertools.product((4, 8, 16), (64, 128), (4, 8), (2,))),
             "relu2_up": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,), (False, True))),
@@ -63,7 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--inter", type=int, default=512, help="routed experts' intermediate size")
     ap.add_argument("--shared-inter", type=int, default=512, help="shared expert's intermediate size")
     ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=4, help="weight sets cycled through per timing (cold weights)")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="weight sets cycled through per timing (cold weights); 0: enough that a token's experts over "
+                         "all of them are 3x L2")
     ap.add_argument("--cases", default=",".join(GRIDS), help="comma-separated cases of GRIDS to sweep")
     ap.add_argument("--quantize", choices=sorted(QUANT_GRIDS), default=None,
                     help="the experts (routed and shared) in this format, its grid (QUANT_GRIDS)")
@@ -124,6 +126,18 @@ def main() -> None:
     def rows(w, lo: int, hi: int):
         return w[:, lo:hi] if fmt is None else w.rows(slice(lo, hi))
 
+    # a token's down projections (the fewest bytes a launch reads) over all weight sets at least 3x L2, so
+    # every launch reads from HBM (with fewer sets the 122B's 8 experts of 1.8 MB stayed in L2); as many
+    # as 60% of the free memory holds at most
+    if not a.layers:
+        touched = k * nbytes(H, I)
+        per_layer = E * 3 * nbytes(I, H) + 3 * nbytes(Is, H)
+        a.layers = max(2, -(-3 * torch.cuda.get_device_properties(dev).L2_cache_size // touched))
+        fits = int(0.6 * torch.cuda.mem_get_info()[0] // per_layer)
+        if fits < a.layers:
+            print(f"tune_moe: {fits} weight sets fit, not the {a.layers} that read a token's experts from HBM; "
+                  "small launches may read some weights from L2", flush=True)
+            a.layers = max(1, fits)
     # per layer: routed gate/up [E, 2I, H], down [E, H, I]; shared gate, up [Is, H], down [H, Is]
     weights = [(randn(E, 2 * I, H), randn(E, H, I), randn(Is, H), randn(Is, H), randn(H, Is)) for _ in range(a.layers)]
     out = []
