@@ -424,3 +424,36 @@ def test_engines_over_one_model_step_in_turn(preset):
             if eng.has_unfinished():
                 eng.step()
     assert [tokens(eng, ids) for eng, ids in pairs] == alone
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
+def test_unbind_frees_a_deleted_engines_pools(preset):
+    """The model keeps no pool of a deleted engine once unbound (it kept the last bound manager's
+    pools alive, so a benchmark's next engine found that memory taken), and an engine built after
+    still serves."""
+    import gc
+    import weakref
+
+    import wmtp
+    from wmtp.engine.config import EngineConfig
+
+    model = wmtp.load_model(preset, dtype="float32")
+    spec = SpecConfig(mode="windowed", num_draft_tokens=3, window=W, sink=SINK)
+    cfg = EngineConfig(max_model_len=256, max_num_seqs=2, page_size=8)
+    eng = Engine(model, spec, cfg)
+    pools = [weakref.ref(t) for t in (model.attention_layers()[0].k_cache._base,
+                                       model.mtp_attention_layers()[0].k_cache._base)]
+    if model.recurrent_layers():
+        pools.append(weakref.ref(model.state_pools.conv))
+    del eng
+    gc.collect()
+    assert all(p() is not None for p in pools)  # still bound: the model holds the manager
+    MemoryManager.unbind(model)
+    gc.collect()
+    assert all(p() is None for p in pools)
+    assert model.bound_pools is None and model.attention_layers()[0].k_cache is None
+    eng = Engine(model, spec, cfg)
+    rid = eng.add_request(_prompts(1, seed=3)[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert len(eng.requests[rid].tokens) > 4

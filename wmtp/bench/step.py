@@ -32,7 +32,7 @@ import torch
 from wmtp.bench.gpu_state import describe_gpu_state, gpu_state
 from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.engine.engine import Engine
-from wmtp.engine.memory import CapacityError
+from wmtp.engine.memory import CapacityError, MemoryManager
 from wmtp.models.parallel import TPGroup
 
 
@@ -68,12 +68,9 @@ def kv_dtype(mode: str) -> str:
 
 
 def release_pools(model) -> None:
-    """Drop the pool tensors bound to the model's layers so the next engine can allocate its own."""
-    for layer in model.attention_layers() + model.mtp_attention_layers() + model.recurrent_layers():
-        for name in ("k_cache", "v_cache", "conv_state", "ssm_state", "verify_record"):
-            if hasattr(layer, name):
-                setattr(layer, name, None)
-    model.state_pools = None
+    """Drop the pool tensors bound to the model (``MemoryManager.unbind``) so the next engine can
+    allocate its own."""
+    MemoryManager.unbind(model)
     gc.collect()
     torch.cuda.empty_cache()
 

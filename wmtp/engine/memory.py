@@ -268,6 +268,17 @@ class MemoryManager:
         self._views = [(m, {a: getattr(m, a) for a in _POOL_VIEWS if a in m.__dict__}) for m in model.modules()]
         model.bound_pools = self
 
+    @staticmethod
+    def unbind(model: torch.nn.Module) -> None:
+        """Drop every pool view from the model's layers and the model's reference to the manager
+        that bound them: a deleted engine's pools are then freed (the model kept the last manager's
+        alive, and with it every pool, until another engine bound its own)."""
+        for m in model.modules():
+            for a in _POOL_VIEWS:
+                if a in m.__dict__:
+                    setattr(m, a, None)
+        model.bound_pools = None
+
     def attach(self, model: torch.nn.Module) -> None:
         """Point the model's layers at this manager's pools again: another engine over the same
         weights (``bind`` of its own manager) moved them to its pools since."""
