@@ -324,10 +324,11 @@ def down_combine_tiles(fmt: int, tokens: int, top_k: int, k: int) -> tuple[tuple
         # tokens (5.1 / 31.0 us, vs 9.2 / 40.2 at 4 warps; benchmarks/tune_moe.py)
         (rows, bk), warps = (8, 128), 8
     elif fmt == NVFP4_CODE:
-        # with the shared term, on an H100 (h100/tuning/tune_moe_nvfp4_down.json, _122b_down.json):
-        # the 35B's 512 inputs 8.8 / 35.1 us at 1 / 7 tokens against 9.4 / 39.8 at 16 x 256 / 32 x 256
-        # and 8 warps; the 122B's 1024 inputs 20.7 / 118.8 against 23.2 / 123.1 (and 23.8 / 140.7 at
-        # the 35B's tiles)
+        # with the shared term, on an H100: the 35B's 512 inputs 8.8 / 35.1 us at 1 / 7 tokens against
+        # 9.4 / 39.8 at 16 x 256 / 32 x 256 and 8 warps; the 122B's 1024 inputs 20.7 / 118.8 against
+        # 23.2 / 123.1 (and 23.8 / 140.7 at the 35B's tiles; h100/tuning/tune_moe_nvfp4_down.json,
+        # _122b_down.json). Over weights read from HBM (*_cold.json) still the best of the grid:
+        # 10.5 / 35.2 and 22.5 / 118.5 us
         if tokens == 1:
             (rows, bk), warps = (8, 256), (8 if k <= 512 else 4)
         else:
