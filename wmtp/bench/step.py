@@ -338,6 +338,7 @@ def run_step(a: argparse.Namespace, bw: dict | None = None, tp: TPGroup | None =
                        "t_iter": "overlapped (engine default): interval between consecutive iterations' results; "
                                  "t_iter_sync: each step GPU-synchronised before and after"},
               "rows": rows, "summary": summary}
+
     def save() -> None:  # after each part: a later part that fails leaves the earlier ones written
         if tp is None or tp.rank == 0:
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)

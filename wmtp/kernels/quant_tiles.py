@@ -231,11 +231,10 @@ if triton is not None:
         """``acc`` plus K step ``[k0, k0 + BLOCK_K)``'s products of every row's weights (group scales
         applied) and the step's inputs ``xs`` (``x_step``), kept per input position: NVFP4 [rows,
         BLOCK_K / 16, 8] (each byte's even and odd input summed), FP8 and float [rows, BLOCK_K]. The
-        sum over K (``fma_sum``) waits for the caller's end of the loop: a step moves nothing
-        between threads, and the weight never passes through shared memory (the tensor-core tiles'
-        fp16 weights do, twice:
-        ncu on an H100 found ``skinny_linear``'s one-row NVFP4 launch bound by L1 / shared-memory
-        traffic at 80% of its peak, DRAM at 17%: ``h100/tuning/ncu_skinny_linear_nvfp4.txt``).
+        sum over K (``fma_sum``) waits for the caller's end of the loop: a step moves nothing between
+        threads, and the weight never passes through shared memory (the tensor-core tiles' fp16
+        weights do, twice: ncu on an H100 found ``skinny_linear``'s one-row NVFP4 launch bound by L1 /
+        shared-memory traffic at 80% of its peak, DRAM at 17%: ``h100/tuning/ncu_skinny_linear_nvfp4.txt``).
         Products exact (fp16 weight times fp32 x), accumulated in fp32."""
         ok = tl.expand_dims(row_ok, -1)
         xe, xo = xs
