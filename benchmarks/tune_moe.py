@@ -42,12 +42,15 @@ GRIDS = {
 }
 # quantized experts (--quantize): fewer stages / warps, K steps the format allows (FP8: within a
 # 128-input scale block); the pair-wise kernels also with their FMA candidate (FMA=True: the sum over K
-# once after the loop)
+# once after the loop) and NVFP4's f16x2 form (HFMA)
+HFMA_GRID = list(itertools.product((4, 8, 16), (256, 512), (2, 4), (1,), ("hfma",)))  # NVFP4's f16x2 form
 QUANT_GRIDS = {
-    "nvfp4": {"swiglu_routed_shared": list(itertools.product((8, 16), (128, 256, 512), (4, 8), (3,), (False, True))),
+    "nvfp4": {"swiglu_routed_shared": list(itertools.product((8, 16), (128, 256, 512), (4, 8), (3,), (False, True)))
+              + HFMA_GRID,
               "down_combine_shared": list(itertools.product((2, 4, 8, 16), (64, 128, 256), (4, 8), (2,))),
-              "relu2_up": list(itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (3,), (False, True))),
-              "down_pairs": list(itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (3,), (False, True)))},
+              "relu2_up": list(itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (3,), (False, True))) + HFMA_GRID,
+              "down_pairs": list(itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (3,), (False, True)))
+              + HFMA_GRID},
     "fp8": {"swiglu_routed_shared": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,), (False, True))),
             "down_combine_shared": list(itertools.product((4, 8, 16), (64, 128), (4, 8), (2,))),
             "relu2_up": list(itertools.product((8, 16, 32), (64, 128), (4, 8), (3,), (False, True))),
@@ -69,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cases", default=",".join(GRIDS), help="comma-separated cases of GRIDS to sweep")
     ap.add_argument("--quantize", choices=sorted(QUANT_GRIDS), default=None,
                     help="the experts (routed and shared) in this format, its grid (QUANT_GRIDS)")
+    ap.add_argument("--forms", choices=("all", "hfma"), default="all",
+                    help="hfma: only NVFP4's f16x2 form's tiles (with --quantize nvfp4)")
     ap.add_argument("--out", required=True, help="JSON file for every configuration's timing")
     return ap.parse_args(argv)
 
@@ -82,17 +87,22 @@ def sweep(name: str, fn: Callable[..., torch.Tensor], layers: int, nbytes: int, 
         return cold_ms_per_call(lambda layer: fn(layer, **cfg), range(layers))
 
     results = []
-    for bn, bk, nw, ns, *fma in grid:
-        cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns, **({"FMA": fma[0]} if fma else {})}
+    for bn, bk, nw, ns, *form in grid:
+        cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns,
+               "HFMA": form == ["hfma"], **({"FMA": form[0]} if form and form != ["hfma"] else {})}
         try:
             results.append({**cfg, "ms": per_launch(**cfg)})
         except Exception as e:  # resources exceeded for this tile: not a candidate
             results.append({**cfg, "error": type(e).__name__})
     default = per_launch()
     best = min((r for r in results if "ms" in r), key=lambda r: r["ms"])
+    # beside the f16x2 form's tiles, the fp32 forms' default in the same run
+    fp32 = per_launch(HFMA=False) if any(r["HFMA"] for r in results) else None
     print(f"{name} T={T}: default {default * 1e3:.1f} us ({nbytes / default / 1e9:.2f} TB/s) | best "
-          f"{best['ms'] * 1e3:.1f} us ({nbytes / best['ms'] / 1e9:.2f} TB/s) at {best}", flush=True)
-    return {"case": name, "tokens": T, "weight_bytes": nbytes, "default_ms": default, "best": best, "all": results}
+          f"{best['ms'] * 1e3:.1f} us ({nbytes / best['ms'] / 1e9:.2f} TB/s) at {best}"
+          + (f" | fp32 forms' default {fp32 * 1e3:.1f} us" if fp32 else ""), flush=True)
+    return {"case": name, "tokens": T, "weight_bytes": nbytes, "default_ms": default, "best": best,
+            "fp32_default_ms": fp32, "all": results}
 
 
 def main() -> None:
@@ -109,6 +119,10 @@ def main() -> None:
 
     fmt = FORMATS[a.quantize]() if a.quantize else None
     grids = QUANT_GRIDS[a.quantize] if a.quantize else GRIDS
+    if a.forms == "hfma":
+        if a.quantize != "nvfp4":
+            raise SystemExit("tune_moe: --forms hfma needs --quantize nvfp4")
+        grids = {c: [g for g in grid if g[4:] == ("hfma",)] for c, grid in grids.items()}
 
     def randn(*shape: int) -> torch.Tensor | QuantWeight:
         if fmt is None:

@@ -11,7 +11,8 @@ import torch
 pytest.importorskip("triton")
 
 from wmtp.kernels.common import SharedExpert  # noqa: E402
-from wmtp.kernels.moe import down_combine, moe_gemv, swiglu_gemv  # noqa: E402
+from wmtp.kernels.moe import down_combine, expert_gemv, moe_gemv, relu2_gemv, swiglu_gemv, swiglu_gemv_with_shared  # noqa: E402
+from wmtp.kernels.quant_tiles import x_groups, x_groups_reference  # noqa: E402
 from wmtp.models.backend import TorchBackend  # noqa: E402
 from wmtp.quant import FP8Block, NVFP4, QuantWeight  # noqa: E402
 
@@ -127,8 +128,8 @@ def test_e2m1_through_e4m3_equals_the_bit_placement(dtype, monkeypatch):
     top_w = torch.rand(T, top_k, generator=g).to(DEVICE)
     gate, up = gate_up.rows(slice(0, inter)), gate_up.rows(slice(inter, None))
 
-    def run():
-        h = swiglu_gemv(x, gate, up, idx.view(-1), top_k, BLOCK_N=16, BLOCK_K=64)
+    def run():  # the fp32 forms (the f16x2 form needs the e4m3 decode: test_hfma_form_over_every_byte)
+        h = swiglu_gemv(x, gate, up, idx.view(-1), top_k, BLOCK_N=16, BLOCK_K=64, HFMA=False)
         return (skinny_linear(x, gate_up[1], tiles=LinearTiles(16, 32, 1, 4)), h,
                 down_combine(h, down, idx, top_w, top_k, BLOCK_N=32, BLOCK_K=32))
 
@@ -161,3 +162,78 @@ def test_down_combine_with_a_quantized_shared_expert(fmt, dtype):
         routed = (y.view(T, top_k, H).float() * top_w[..., None]).sum(1)
         s = F.linear(h_s, down_s.dequantize(dtype)).float() * torch.sigmoid(logit.float())[:, None]
         assert _close(out, (routed + s).to(dtype)), T
+
+
+@pytest.mark.parametrize("shape", [(3, 160), (2, 64), (1, 2688)])
+def test_x_groups_matches_its_twin(shape):
+    """``x_groups`` (the f16x2 form's inputs) against ``x_groups_reference``, word for word, over
+    rows of very different magnitudes and an all-zero row; and its words times the inverse scale
+    give back x in the documented order."""
+    T, K = shape
+    g = torch.Generator().manual_seed(K)
+    x = (torch.randn(T, K, generator=g) * torch.tensor([1e-3, 7.0, 3e4])[:T, None]).to(DEVICE, torch.bfloat16)
+    if T > 1:
+        x[1] = 0
+    words, inv = x_groups(x)
+    want_words, want_inv = x_groups_reference(x)
+    assert torch.equal(words, want_words) and torch.equal(inv, want_inv)
+    back = words.view(torch.float16).float().view(T, K // 32, 2, 2, 2, 4) * inv[:, None, None, None, None, None]
+    order = back.permute(0, 1, 4, 3, 5, 2).reshape(T, K)  # parity, half, group, pair -> input order
+    assert torch.equal(order, x.float())
+    with pytest.raises(ValueError, match=r"x_groups: x \(1, 48\)"):
+        x_groups(torch.zeros(1, 48, device=DEVICE, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("act", ["swiglu", "relu2", "linear"])
+def test_hfma_form_matches_the_reference(act):
+    """The pair-wise GEMV's f16x2 form (NVFP4 experts, 16-bit x: ``_pair_hfma_kernel``) against the
+    reference over the dequantized experts, with the K step dividing K and not, rows not a multiple
+    of the row tile, and the shared expert's rows (of another width) in the same launch; and equal
+    to the fp32 forms within bf16's rounding."""
+    fmt, E, H, inter, top_k, T = NVFP4(), 5, 96, 40, 3, 4
+    dtype = torch.bfloat16
+    w = _experts(fmt, [(inter, H), (inter, H)], E, seed=21)
+    gate, up = w.rows(slice(0, inter)), w.rows(slice(inter, None))
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    idx = torch.randint(0, E, (T * top_k,), generator=g).to(DEVICE)
+    F = torch.nn.functional
+    lin = torch.stack([F.linear(x[p // top_k], w[int(e)].dequantize(dtype)) for p, e in enumerate(idx)])
+    for tiles in ({"BLOCK_N": 16, "BLOCK_K": 64}, {"BLOCK_N": 8, "BLOCK_K": 32}):
+        if act == "swiglu":
+            want = F.silu(lin[:, :inter]) * lin[:, inter:]
+            sg, su = _linear(fmt, 24, H, 23), _linear(fmt, 24, H, 24)
+            got, got_s = swiglu_gemv_with_shared(x, gate, up, idx, top_k, sg, su, HFMA=True, **tiles)
+            want_s = F.silu(F.linear(x, sg.dequantize(dtype))) * F.linear(x, su.dequantize(dtype))
+            assert _close(got_s, want_s)
+            fp32 = swiglu_gemv(x, gate, up, idx, top_k, HFMA=False, **tiles)
+        elif act == "relu2":
+            want = torch.relu(lin[:, inter:]) ** 2
+            got = relu2_gemv(x, up, idx, top_k, HFMA=True, **tiles)
+            fp32 = relu2_gemv(x, up, idx, top_k, HFMA=False, **tiles)
+        else:
+            want = lin[:, inter:]
+            xs = x.repeat_interleave(top_k, 0)
+            got = expert_gemv("expert_gemv", xs, up, idx, HFMA=True, **tiles)
+            fp32 = expert_gemv("expert_gemv", xs, up, idx, HFMA=False, **tiles)
+        assert _close(got, want) and _close(got, fp32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="the f16x2 form decodes through cvt.rn.f16x2.e4m3x2 (compute capability 8.9+)")
+def test_hfma_form_over_every_byte():
+    """The f16x2 form on the GPU (inline PTX) against the reference, over weights whose packed bytes
+    take all 256 values, and x spanning six orders of magnitude in a row (the fp16 scaling)."""
+    fmt, E, H, inter, top_k, T = NVFP4(), 4, 256, 64, 2, 3
+    w = _experts(fmt, [(inter, H)], E, seed=25)
+    codes = w.tensors["weight"]
+    w.tensors["weight"] = (torch.arange(codes.numel(), device=DEVICE) * 37 % 256).to(torch.uint8).view_as(codes)
+    g = torch.Generator().manual_seed(26)
+    x = (torch.randn(T, H, generator=g) * torch.logspace(-3, 3, H)).to(DEVICE, torch.bfloat16)
+    idx = torch.randint(0, E, (T * top_k,), generator=g).to(DEVICE)
+    F = torch.nn.functional
+    want = torch.stack([F.linear(x[p // top_k], w[int(e)].dequantize(torch.bfloat16)) for p, e in enumerate(idx)])
+    got = expert_gemv("expert_gemv", x.repeat_interleave(top_k, 0), w, idx, HFMA=True)
+    assert _close(got, want) and want.abs().max() > 0
+

@@ -13,7 +13,9 @@ dozen tiny kernels per layer, which dominate a CUDA-graph replay at B = 1. Here:
   as ``p // top_k`` (no repeated copy of x), and in the same launch T more rows, one per token,
   with the shared expert's weights (its own intermediate size). A separate launch for the shared
   expert had too few programs to reach bandwidth (7.5 us for a 1 us weight read on the H200).
-  ``swiglu_gemv`` is the routed part alone (no shared expert).
+  ``swiglu_gemv`` is the routed part alone (no shared expert). NVFP4 experts against 16-bit x run
+  it as ``_pair_hfma_kernel``: x laid out once per launch in fp16 (``x_groups``), each group's
+  products summed by f16x2 FMAs (``quant_tiles.hfma_group``).
 - ``down_combine``: ``sum_k w[t,k] * W_down[e_k] h[t,k]`` per token, the top_k experts' tiles
   loaded together (one [top_k, rows, BLOCK_K] load per K step, not top_k dependent loops), plus
   the shared expert's down projection times ``sigmoid(logit[t])``, written once in the output dtype.
@@ -33,8 +35,8 @@ import torch.nn.functional as F
 
 from wmtp.kernels.common import SharedExpert, SigmoidRouting, launch_tile, pdl
 from wmtp.kernels.linear import decode_linear
-from wmtp.kernels.quant_tiles import (FLOAT, FP8_CODE, NVFP4_CODE, KernelWeight, dequantize, e2m1_cvt, kernel_weight,
-                                       same_layout)
+from wmtp.kernels.quant_tiles import (FLOAT, FP8_CODE, NVFP4_CODE, KernelWeight, dequantize, e2m1_cvt, hfma_ready,
+                                       kernel_weight, same_layout, x_groups)
 from wmtp.quant import QuantWeight, dense
 
 try:
@@ -60,7 +62,7 @@ MAX_FUSED_TOP_K = 8
 
 if triton is not None:
     from wmtp.kernels.common import wait_prior
-    from wmtp.kernels.quant_tiles import fma_sum, row_scale, weight_dot, weight_fma, x_step
+    from wmtp.kernels.quant_tiles import fma_sum, hfma_step, row_scale, weight_dot, weight_fma, x_step
 
     @triton.jit
     def _route_topk_kernel(LOGITS, W_OUT, I_OUT, X, SG, SG_OUT, BIAS, E, HID, scale, TOP_K: tl.constexpr,
@@ -113,6 +115,33 @@ if triton is not None:
         tl.store(I_OUT + t * TOP_K + ks, sel_i, mask=ks < TOP_K)
 
     @triton.jit
+    def _pair_operands(p, P, IDX, WG, WU, CG, CU, SG, SU, SCG, SCU, stride_we, stride_ce, TOP_K: tl.constexpr):
+        """Row p of a pair-wise launch: (shared, expert, gate / up weight and scale bases, token). Rows
+        p < P: routed pair p (expert idx[p], token p // TOP_K); rows p >= P: the shared expert for
+        token p - P. Selected by value, not by branching, so both kinds of program run the same loop."""
+        sh = p >= P
+        e = tl.load(IDX + p, mask=p < P, other=0).to(tl.int64)
+        return (sh, e, tl.where(sh, SG, WG + e * stride_we), tl.where(sh, SU, WU + e * stride_we),
+                tl.where(sh, SCG, CG + e * stride_ce), tl.where(sh, SCU, CU + e * stride_ce),
+                tl.where(sh, p - P, p // TOP_K))
+
+    @triton.jit
+    def _activation(g, u, OUT, ACT: tl.constexpr):
+        """The experts' activation (``SWIGLU``, ``RELU2``, ``LINEAR``) of the projections g (gate) and
+        u (up), in OUT's dtype: each projection rounded to it first, as the reference's F.linear."""
+        dt = OUT.dtype.element_ty
+        u = u.to(dt).to(tl.float32)
+        if ACT == 0:
+            g = g.to(dt).to(tl.float32)
+            h = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
+        elif ACT == 1:
+            h = tl.maximum(u, 0.0)
+            h = h * h
+        else:
+            h = u
+        return h.to(dt)
+
+    @triton.jit
     def _swiglu_gemv_kernel(X, WG, WU, CG, CU, RG, RU, IDX, SG, SU, SCG, SCU, SRG, SRU, OUT, P, N, NS, K,
                             stride_we, stride_wn, stride_ce, stride_cn, stride_re, stride_sn, stride_scn,
                             TOP_K: tl.constexpr, FORMAT: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -126,16 +155,8 @@ if triton is not None:
         GATED: tl.constexpr = ACT == 0
         p = tl.program_id(0)
         nb = tl.program_id(1)
-        # rows p < P: routed pair p (expert idx[p], token p // TOP_K) into OUT[:P*N] as [P, N]; rows
-        # p >= P: the shared expert for token p - P into OUT[P*N:] as [T, NS]. Selected by value,
-        # not by branching, so both kinds of program run the same loop.
-        sh = p >= P
-        e = tl.load(IDX + p, mask=p < P, other=0).to(tl.int64)
-        wg = tl.where(sh, SG, WG + e * stride_we)
-        wu = tl.where(sh, SU, WU + e * stride_we)
-        cg = tl.where(sh, SCG, CG + e * stride_ce)
-        cu = tl.where(sh, SCU, CU + e * stride_ce)
-        tok = tl.where(sh, p - P, p // TOP_K)
+        sh, e, wg, wu, cg, cu, tok = _pair_operands(p, P, IDX, WG, WU, CG, CU, SG, SU, SCG, SCU, stride_we, stride_ce,
+                                                    TOP_K)
         n = tl.where(sh, NS, N)
         stride_n = tl.where(sh, stride_sn, stride_wn)
         stride_c = tl.where(sh, stride_scn, stride_cn)
@@ -161,19 +182,52 @@ if triton is not None:
                 if GATED:
                     g += weight_dot(wg, cg, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K, CVT)
                 u += weight_dot(wu, cu, rows * stride_n, rows * stride_c, row_ok, xs, k0, K, FORMAT, BLOCK_K, CVT)
-        dt = OUT.dtype.element_ty
         u = row_scale(u, tl.where(sh, SRU, RU + e * stride_re), rows, row_ok, FORMAT)
-        u = u.to(dt).to(tl.float32)  # the reference rounds each projection to the activation dtype
         if GATED:
             g = row_scale(g, tl.where(sh, SRG, RG + e * stride_re), rows, row_ok, FORMAT)
-            g = g.to(dt).to(tl.float32)
-            h = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
-        elif ACT == 1:
-            h = tl.maximum(u, 0.0)
-            h = h * h
-        else:
-            h = u
-        tl.store(out + rows, h.to(dt), mask=row_ok)
+        tl.store(out + rows, _activation(g, u, OUT, ACT), mask=row_ok)
+
+    @triton.jit
+    def _pair_hfma_kernel(XW, XINV, WG, WU, CG, CU, RG, RU, IDX, SG, SU, SCG, SCU, SRG, SRU, OUT, P, N, NS, K,
+                          stride_we, stride_wn, stride_ce, stride_cn, stride_re, stride_sn, stride_scn,
+                          TOP_K: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          MASKED: tl.constexpr, CVT: tl.constexpr, PDL: tl.constexpr):
+        """``_swiglu_gemv_kernel``'s rows (routed pairs, then the shared expert's) over NVFP4 weights by
+        ``hfma_step``: x as ``x_groups`` words XW with their inverse scales XINV, the weights' packed
+        bytes as int64 words (strides ``stride_we``, ``stride_wn``, ``stride_sn`` in words)."""
+        wait_prior(PDL)
+        GATED: tl.constexpr = ACT == 0
+        p = tl.program_id(0)
+        nb = tl.program_id(1)
+        sh, e, wg, wu, cg, cu, tok = _pair_operands(p, P, IDX, WG, WU, CG, CU, SG, SU, SCG, SCU, stride_we, stride_ce,
+                                                    TOP_K)
+        tok = tok.to(tl.int64)
+        n = tl.where(sh, NS, N)
+        stride_n = tl.where(sh, stride_sn, stride_wn)
+        stride_c = tl.where(sh, stride_scn, stride_cn)
+        out = OUT + tl.where(sh, P * N + (p - P) * NS, p * N)
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < n
+        # cells [rows, BLOCK_K / 32, 2]: one NVFP4 group each, the two groups of a 32-input block side by side
+        r3 = rows[:, None, None]
+        j = tl.arange(0, BLOCK_K // 32)[None, :, None]
+        cell = 2 * j + tl.arange(0, 2)[None, None, :]
+        x_cells = tok * (K // 4) + 8 * j + tl.arange(0, 2)[None, None, :] + r3 * 0
+        ok = row_ok[:, None, None]
+        ga = tl.zeros([BLOCK_N, BLOCK_K // 32, 2], tl.float32)
+        ua = tl.zeros_like(ga)
+        for k0 in range(0, K, BLOCK_K):
+            if GATED:
+                ga = hfma_step(wg, cg, XW, r3 * stride_n + cell, r3 * stride_c + cell, x_cells, k0, K, ok, j, ga,
+                               CVT, MASKED)
+            ua = hfma_step(wu, cu, XW, r3 * stride_n + cell, r3 * stride_c + cell, x_cells, k0, K, ok, j, ua,
+                           CVT, MASKED)
+        inv = tl.load(XINV + tok) * 64.0  # x's power of 2, and the e4m3 decode's 1 / 64
+        u = row_scale(tl.sum(tl.sum(ua, 2), 1) * inv, tl.where(sh, SRU, RU + e * stride_re), rows, row_ok, 1)
+        g = u
+        if GATED:
+            g = row_scale(tl.sum(tl.sum(ga, 2), 1) * inv, tl.where(sh, SRG, RG + e * stride_re), rows, row_ok, 1)
+        tl.store(out + rows, _activation(g, u, OUT, ACT), mask=row_ok)
 
     @triton.jit
     def _combine_sorted_kernel(Y, POS, TW, OUT, N, TOP_K: tl.constexpr, SORTED: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -315,6 +369,17 @@ def pair_tiles(fmt: int, act: int, big: bool, k: int) -> tuple[tuple[int, int], 
     return (bn, _k_step(fmt, bk)), warps, fma
 
 
+def hfma_tiles(act: int, big: bool, k: int) -> tuple[tuple[int, int], int]:
+    """``_pair_hfma_kernel``'s default ((BLOCK_N, BLOCK_K), num_warps) for activation ``act``, ``big``
+    (a verify's 32 or more rows of pairs) and ``k`` inputs: K steps of 512 (masked where K is not a
+    multiple), two warps; 4 rows for two weight tiles a step (SwiGLU) or long rows, 8 otherwise. On
+    an H100 over weights read from HBM, with ``x_groups`` (h100/tuning/tune_moe_nvfp4_hfma_*.json),
+    against the fp32 forms' defaults: the 35B's SwiGLU with its shared expert 7.6 / 27.5 us at 1 / 7
+    tokens (10.2 / 46.5), the 122B's 14.8 / 66.2 (20.9 / 139.4); Nemotron-3-Super's 22 latent
+    experts, up 19.2 / 117.5 at 1 / 8 tokens (26.5 / 184.7), down 21.6 / 116.4 (29.4 / 180.4)."""
+    return ((8 if act != SWIGLU and k <= 1024 else 4), 512), 2
+
+
 def down_combine_tiles(fmt: int, tokens: int, top_k: int, k: int) -> tuple[tuple[int, int], int]:
     """``down_combine``'s default ((BLOCK_N, BLOCK_K), num_warps) for ``k`` inputs (the experts'
     intermediate size): its [top_k, BLOCK_N, BLOCK_K] weight tile is held in registers, so more
@@ -415,7 +480,14 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
         _check_shared_swiglu(name, g, sg, su)
     Ts, Ns = (T, sg.shape[0]) if shared is not None else (0, N)
     buf = torch.empty(P * N + Ts * Ns, device=x.device, dtype=x.dtype)
-    if P + Ts:
+    launch = dict(launch)
+    hfma, ready = launch.pop("HFMA", None), all(hfma_ready(w, x) for w in (g, u, sg, su))
+    if hfma and not ready:
+        raise ValueError(f"{name}: HFMA=True needs NVFP4 weights (K a multiple of 32) against 16-bit x, "
+                         f"read through the e4m3 decode; got {x.dtype} x, K={K}")
+    if P + Ts and (ready and "FMA" not in launch if hfma is None else hfma):
+        _pair_hfma_launch(x, g, u, sg, su, idx, buf, top_k, act, Ts, Ns, launch)
+    elif P + Ts:
         (bn, bk), warps, fma = pair_tiles(g.format, act, P + Ts >= 32, K)
         cfg = {"BLOCK_N": launch_tile(bn, max(N, Ns)), "BLOCK_K": _block_k(g, bk, K), "num_warps": warps, "FMA": fma,
                **launch}
@@ -426,6 +498,27 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
             we, wn, ce, cn, g.rows_stride(), sg.weight.stride(-2), sg.scale.stride(-2), TOP_K=top_k, FORMAT=g.format,
             ACT=act, **cfg, **e2m1_cvt(x.device), **pdl(x.device))
     return buf[:P * N].view(P, N), None if shared is None else buf[P * N:].view(T, Ns)
+
+
+def _pair_hfma_launch(x: torch.Tensor, g: KernelWeight, u: KernelWeight, sg: KernelWeight, su: KernelWeight,
+                      idx: torch.Tensor, buf: torch.Tensor, top_k: int, act: int, Ts: int, Ns: int,
+                      launch: dict[str, int]) -> None:
+    """``_swiglu_launch``'s rows by ``_pair_hfma_kernel`` (every weight ``hfma_ready``) into ``buf``."""
+    T, K = x.shape
+    P, N = idx.numel(), g.shape[1]
+    (bn, bk), warps = hfma_tiles(act, P + Ts >= 32, K)
+    # one stage: Triton's software pipelining would stage the tiles through shared memory (5x slower)
+    cfg = {"BLOCK_N": launch_tile(bn, max(N, Ns)), "BLOCK_K": max(32, launch_tile(bk, K, 512)), "num_warps": warps,
+           "num_stages": 1, **launch}
+    words = lambda w: w.weight.view(torch.int64)  # noqa: E731
+    masked = bool(K % cfg["BLOCK_K"] or max(N, Ns) % cfg["BLOCK_N"] or (Ts and N != Ns))
+    xw, inv = x_groups(x)
+    we, wn, ce, cn = g.strides()
+    _pair_hfma_kernel[(P + Ts, triton.cdiv(max(N, Ns), cfg["BLOCK_N"]))](
+        xw, inv, words(g), words(u), g.scale, u.scale, g.rows, u.rows, idx.contiguous(), words(sg), words(su),
+        sg.scale, su.scale, sg.rows, su.rows, buf, P, N, Ns, K, we // 8, wn // 8, ce, cn, g.rows_stride(),
+        sg.weight.stride(-2) // 8, sg.scale.stride(-2), TOP_K=top_k, ACT=act, MASKED=masked, **cfg,
+        **e2m1_cvt(x.device), **pdl(x.device))
 
 
 def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.Tensor, top_k: int,

@@ -19,7 +19,8 @@ linears' tensor-core dot: the weight tile dequantized exactly to fp16 (``e2m1_sc
 x scaled into fp16 by a power of 2 per row (``f16_rows``). e2m1 codes decode by bit placement, not
 by a table or exp2: on GPUs of compute capability 8.9+ (``e2m1_cvt``) into e4m3 bytes that one
 instruction converts two at a time (``e2m1_pairs``, ``e2m1_scaled_f16``), elsewhere into fp16 bits
-(``e2m1_values``).
+(``e2m1_values``). ``hfma_step`` is a K step of the pair-wise MoE GEMV over NVFP4 weights against
+16-bit x by f16x2 FMAs, x laid out in fp16 beforehand (``x_groups``).
 """
 
 from __future__ import annotations
@@ -147,6 +148,33 @@ if triton is not None:
     mul.rn.f16x2 $1, p1, $6;
     mul.rn.f16x2 $2, p2, $5;
     mul.rn.f16x2 $3, p3, $6;
+    }""")
+
+    # one NVFP4 group (16 inputs) of ``hfma_group``: $1 its 8 packed bytes, $2..$5 its x in fp16 as
+    # ``x_groups`` lays them out (even inputs 0-6, 8-14, odd inputs 1-7, 9-15), $6 the group scale,
+    # $7 the accumulator in; each word's products summed by f16x2 FMAs (p0..p3 pair inputs (0, 2),
+    # (4, 6), (1, 3), (5, 7) of its 8), the 16 summed once in fp32, times the scale, into $0
+    _HFMA_GROUP = tl.constexpr(
+        "{\n.reg .b32 w0, w1, s, u, e<4>, o<4>;\n.reg .b16 sl, sh;\n.reg .f32 f0, f1;\n"
+        "mov.b64 {w0, w1}, $1;\nmov.b64 {e0, e1}, $2;\nmov.b64 {e2, e3}, $3;\nmov.b64 {o0, o1}, $4;\n"
+        "mov.b64 {o2, o3}, $5;\n{" + _E2M1_TO_F16X2.replace("IN", "w0") + """
+    mul.rn.f16x2 s, p0, e0;
+    fma.rn.f16x2 s, p1, e1, s;
+    fma.rn.f16x2 s, p2, o0, s;
+    fma.rn.f16x2 s, p3, o1, s;
+    }
+    {""" + _E2M1_TO_F16X2.replace("IN", "w1") + """
+    mul.rn.f16x2 u, p0, e2;
+    fma.rn.f16x2 u, p1, e3, u;
+    fma.rn.f16x2 u, p2, o2, u;
+    fma.rn.f16x2 u, p3, o3, u;
+    }
+    add.rn.f16x2 s, s, u;
+    mov.b32 {sl, sh}, s;
+    cvt.f32.f16 f0, sl;
+    cvt.f32.f16 f1, sh;
+    add.f32 f0, f0, f1;
+    fma.rn.f32 $0, f0, $6, $7;
     }""")
 
     @triton.jit
@@ -289,11 +317,16 @@ if triton is not None:
         [2^14, 2^15), as fp16 (exact for 16-bit x down to 2^-38 of the row's largest), and the
         inverse powers [rows, 1] in fp32: an fp16 dot of it, times the inverse, is the dot of x."""
         xf = xv.to(tl.float32)
-        amax = tl.max(tl.abs(xf), 1)
+        up, down = _f16_powers(tl.max(tl.abs(xf), 1))
+        return (xf * up[:, None]).to(tl.float16), down[:, None]
+
+    @triton.jit
+    def _f16_powers(amax):
+        """The power of 2 that puts ``amax`` in [2^14, 2^15) (at most 2^126), and its inverse."""
         eb = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 255, 15)  # amax < 2^(eb - 126)
         up = ((268 - eb) << 23).to(tl.float32, bitcast=True)  # 2^(141 - eb)
         down = ((eb - 14) << 23).to(tl.float32, bitcast=True)  # 2^(eb - 141)
-        return (xf * up[:, None]).to(tl.float16), down[:, None]
+        return up, down
 
     @triton.jit
     def tile_scales(S, s_rows, row_ok, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -357,6 +390,70 @@ if triton is not None:
         return acc + part
 
     @triton.jit
+    def _x_half(words, q):
+        """fp16 number ``q`` (0..3) of each int64 of ``words``, as fp32."""
+        return ((words >> (16 * q)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def hfma_group(w, xea, xeb, xoa, xob, sc, acc, CVT: tl.constexpr):
+        """``acc + sc * sum_i value_i / 64 * x_i`` over one NVFP4 group of 16 inputs for every element:
+        ``w`` its packed bytes as an int64, ``xea .. xob`` its inputs as ``x_groups`` lays them out
+        (int64s of four fp16: even inputs 0-6 and 8-14, odd 1-7 and 9-15), ``sc`` the e4m3 group
+        scale in fp32. With CVT (``_HFMA_GROUP``) the products are summed by f16x2 FMAs, eight to a
+        lane, then in fp32: about 3.5 instructions an input against 8 for the fp32 forms, whose
+        decoded values each took a conversion and an FFMA. fp16 is safe here: e2m1 / 64 times x in
+        [2^14, 2^15) is exact (10 significant bits), eight such sum to under 24576. Without CVT (the
+        interpreter) the same sum in fp32."""
+        if CVT:
+            return tl.inline_asm_elementwise(asm=_HFMA_GROUP, constraints="=r,l,l,l,l,l,r,r",
+                                             args=[w, xea, xeb, xoa, xob, sc, acc], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        else:  # input i: nibble i of w, fp16 (i // 2) % 4 of the word its parity and half pick
+            i = tl.arange(0, 16).to(tl.int64)
+            v = _e2m1_f16((tl.expand_dims(w, -1) >> (4 * i)) & 15) * 256.0
+            lo = i < 8
+            word = tl.where(i % 2 == 0, tl.where(lo, tl.expand_dims(xea, -1), tl.expand_dims(xeb, -1)),
+                            tl.where(lo, tl.expand_dims(xoa, -1), tl.expand_dims(xob, -1)))
+            return acc + tl.sum(v * _x_half(word, (i // 2) % 4), -1) * sc
+
+    @triton.jit
+    def hfma_step(W, C, XW, w_cells, c_cells, x_cells, k0, K, ok, j, acc, CVT: tl.constexpr,
+                  MASKED: tl.constexpr):
+        """``acc`` [rows, BLOCK_K / 32, 2] (fp32, one cell an NVFP4 group) plus K step ``[k0, k0 +
+        BLOCK_K)`` of ``hfma_group`` over the weight at ``W`` (its packed bytes as int64 words) and
+        ``C`` (e4m3 group scales), ``w_cells`` / ``c_cells`` the cells' offsets at k0 = 0, and the
+        inputs at ``XW + x_cells`` (``x_groups``' int64 words, no stride along rows: every row loads
+        the same inputs, so the weight, scale and x tiles take one layout and no tile moves between
+        threads); ``j`` the cells' 32-input block, ``ok`` [rows, 1, 1] the valid rows; MASKED: K or
+        the rows may end inside the tile."""
+        g = k0 // 16
+        xw = XW + x_cells + k0 // 4
+        if MASKED:
+            m = ok & (k0 + 32 * j < K)
+            w = tl.load(W + w_cells + g, mask=m, other=0)
+            sc = tl.load(C + c_cells + g, mask=m, other=0.0)
+            x = (tl.load(xw, mask=m, other=0), tl.load(xw + 2, mask=m, other=0), tl.load(xw + 4, mask=m, other=0),
+                 tl.load(xw + 6, mask=m, other=0))
+        else:
+            w = tl.load(W + w_cells + g)
+            sc = tl.load(C + c_cells + g)
+            x = (tl.load(xw), tl.load(xw + 2), tl.load(xw + 4), tl.load(xw + 6))
+        return hfma_group(w, x[0], x[1], x[2], x[3], sc.to(tl.float32), acc, CVT)
+
+    @triton.jit
+    def _x_groups_kernel(X, XH, XINV, K, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """Row t of X (16-bit) as ``x_groups`` lays it out, and its inverse scale."""
+        wait_prior(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        ks = tl.arange(0, BLOCK)
+        x = tl.load(X + t * K + ks, mask=ks < K, other=0.0).to(tl.float32)
+        up, down = _f16_powers(tl.max(tl.abs(x), 0))  # f16_rows' scaling (a [1, K] tile of it spilled)
+        m = (ks % 16) // 2
+        dest = (ks // 32) * 32 + ((ks % 2) * 4 + (m // 4) * 2 + (ks // 16) % 2) * 4 + m % 4
+        tl.store(XH + t * K + dest, (x * up).to(tl.float16), mask=ks < K)
+        tl.store(XINV + t, down)
+
+    @triton.jit
     def _dequantize_kernel(W, S, R, OUT, K, stride_w, stride_s, FORMAT: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """OUT[r, k] = value(r, k) * group scale (* NVFP4's row scale), in the twin's order and dtype."""
@@ -392,3 +489,45 @@ def dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
             flat["w"].stride(0), flat["s"].stride(0),
             FORMAT=kw.format, BLOCK_R=block_r, BLOCK_K=512, **pdl(kw.weight.device))
     return out
+
+
+def hfma_ready(kw: KernelWeight, x: torch.Tensor) -> bool:
+    """Whether ``hfma_step`` can read ``kw`` against ``x``: NVFP4 weights (their packed bytes viewed
+    as int64 words: rows, experts and offsets in whole words) of K a multiple of 32, 16-bit x, where
+    the group decodes through e4m3 (``e2m1_cvt``) or under the interpreter (its fp32 twin)."""
+    if kw.format != NVFP4_CODE or kw.k % 32 or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if x.device.type == "cuda" and not e2m1_cvt(x.device)["CVT"]:
+        return False
+    w = kw.weight
+    return w.storage_offset() % 8 == 0 and all(st % 8 == 0 for st in w.stride()[:-1])
+
+
+def x_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (16-bit, K a multiple of 32) laid out for ``hfma_group``: each row times a power of 2
+    that puts its largest |x| in [2^14, 2^15), as fp16 (exact: ``f16_rows``), each 32 inputs as
+    eight int64s (of four fp16 each): the even inputs of the first and second 16 (0-6 / 16-22 in
+    words 0 / 1, 8-14 / 24-30 in 2 / 3), then the odd ones alike (words 4-7). Returns the words [T,
+    K / 4] and the inverse powers [T] (fp32)."""
+    T, K = x.shape
+    if K % 32 or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x_groups: x {tuple(x.shape)} {x.dtype} must be 16-bit with K a multiple of 32")
+    xh = torch.empty(T, K, device=x.device, dtype=torch.float16)
+    inv = torch.empty(T, device=x.device, dtype=torch.float32)
+    if T:
+        _x_groups_kernel[(T,)](x.contiguous(), xh, inv, K, BLOCK=triton.next_power_of_2(K), **pdl(x.device))
+    return xh.view(torch.int64), inv
+
+
+def x_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x_groups`` in PyTorch: the same words and inverse powers."""
+    T, K = x.shape
+    xf = x.float()
+    amax = xf.abs().amax(1)
+    e = torch.frexp(amax)[1].float()  # amax in [2^(e-1), 2^e)
+    e = torch.where(amax > 0, e.clamp(min=-111), -111.0)
+    up, inv = torch.exp2(15.0 - e), torch.exp2(e - 15.0)
+    xs = (xf * up[:, None]).half()
+    # input 32b + 16g + 8a + 2q + p (group g, half a of its 8 pairs, pair q, parity p) to fp16 16p + 8a + 4g + q
+    words = xs.view(T, K // 32, 2, 2, 4, 2).permute(0, 1, 5, 3, 2, 4).reshape(T, K)
+    return words.contiguous().view(torch.int64), inv
