@@ -25,6 +25,7 @@ instruction converts two at a time (``e2m1_pairs``, ``e2m1_scaled_f16``), elsewh
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -494,8 +495,11 @@ def dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
 def hfma_ready(kw: KernelWeight, x: torch.Tensor) -> bool:
     """Whether ``hfma_step`` can read ``kw`` against ``x``: NVFP4 weights (their packed bytes viewed
     as int64 words: rows, experts and offsets in whole words) of K a multiple of 32, 16-bit x, where
-    the group decodes through e4m3 (``e2m1_cvt``) or under the interpreter (its fp32 twin)."""
+    the group decodes through e4m3 (``e2m1_cvt``) or under the interpreter (its fp32 twin); not with
+    ``WMTP_HFMA=0`` (the fp32 forms, for A/B runs)."""
     if kw.format != NVFP4_CODE or kw.k % 32 or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if os.environ.get("WMTP_HFMA") == "0":
         return False
     if x.device.type == "cuda" and not e2m1_cvt(x.device)["CVT"]:
         return False
