@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from wmtp.kernels.common import arrival_counters, launch_tile, pdl
-from wmtp.kernels.quant_tiles import FP8_CODE, NVFP4_CODE, dequantize, e2m1_cvt, hfma_ready, kernel_weight, x_groups
+from wmtp.kernels.quant_tiles import (FP8_CODE, NVFP4_CODE, dequantize, e2m1_cvt, hfma_default, hfma_ready,
+                                       kernel_weight, x_groups)
 from wmtp.quant import QuantWeight
 
 try:
@@ -51,7 +52,7 @@ class LinearTiles(NamedTuple):
     num_warps: int
     num_stages: int = 3  # Triton's default on NVIDIA GPUs
     gemv: bool = False
-    hfma: bool = True  # a gemv over NVFP4: by f16x2 FMAs (``quant_tiles.hfma_step``) where ``hfma_ready``
+    hfma: bool | None = None  # a gemv over NVFP4 by f16x2 FMAs (``quant_tiles.hfma_step``): None where ``hfma_default``
 
 
 if triton is not None:
@@ -244,7 +245,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
         k_split = triton.cdiv(triton.cdiv(K, cfg.splits), bk) * bk  # a multiple of the K step
         splits = triton.cdiv(K, k_split)
         blocks = triton.cdiv(N, cfg.block_n)
-        hfma = cfg.gemv and cfg.hfma and bk % 32 == 0 and hfma_ready(kw, x2)
+        want = hfma_default(x.device) if cfg.hfma is None else cfg.hfma
+        hfma = cfg.gemv and want and bk % 32 == 0 and hfma_ready(kw, x2)
         w, xw, inv, stride_w = kw.weight, x2, x2, kw.weight.stride(0)
         if hfma:
             (xw, inv), w, stride_w = x_groups(x2), kw.weight.view(torch.int64), stride_w // 8

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 
 from wmtp.kernels.common import SharedExpert, SigmoidRouting, launch_tile, pdl
 from wmtp.kernels.linear import decode_linear
-from wmtp.kernels.quant_tiles import (FLOAT, FP8_CODE, NVFP4_CODE, KernelWeight, dequantize, e2m1_cvt, hfma_ready,
-                                       kernel_weight, same_layout, x_groups)
+from wmtp.kernels.quant_tiles import (FLOAT, FP8_CODE, NVFP4_CODE, KernelWeight, dequantize, e2m1_cvt, hfma_default,
+                                       hfma_ready, kernel_weight, same_layout, x_groups)
 from wmtp.quant import QuantWeight, dense
 
 try:
@@ -374,7 +374,7 @@ def hfma_tiles(act: int, big: bool, k: int) -> tuple[tuple[int, int], int]:
     (a verify's 32 or more rows of pairs) and ``k`` inputs: K steps of 512 (masked where K is not a
     multiple), two warps; 4 rows for two weight tiles a step (SwiGLU) or long rows, 8 otherwise. On
     an H100 over weights read from HBM, with ``x_groups`` (h100/tuning/tune_moe_nvfp4_hfma_*.json),
-    against the fp32 forms' defaults: the 35B's SwiGLU with its shared expert 7.6 / 27.5 us at 1 / 7
+    against the fp32 forms' defaults in their own sweeps (another H100): the 35B's SwiGLU with its shared expert 7.6 / 27.5 us at 1 / 7
     tokens (10.2 / 46.5), the 122B's 14.8 / 66.2 (20.9 / 139.4); Nemotron-3-Super's 22 latent
     experts, up 19.2 / 117.5 at 1 / 8 tokens (26.5 / 184.7), down 21.6 / 116.4 (29.4 / 180.4)."""
     return ((8 if act != SWIGLU and k <= 1024 else 4), 512), 2
@@ -485,7 +485,7 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
     if hfma and not ready:
         raise ValueError(f"{name}: HFMA=True needs NVFP4 weights (K a multiple of 32) against 16-bit x, "
                          f"read through the e4m3 decode; got {x.dtype} x, K={K}")
-    if P + Ts and (ready and "FMA" not in launch if hfma is None else hfma):
+    if P + Ts and (ready and "FMA" not in launch and hfma_default(x.device) if hfma is None else hfma):
         _pair_hfma_launch(x, g, u, sg, su, idx, buf, top_k, act, Ts, Ns, launch)
     elif P + Ts:
         (bn, bk), warps, fma = pair_tiles(g.format, act, P + Ts >= 32, K)

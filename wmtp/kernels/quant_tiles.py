@@ -495,16 +495,20 @@ def dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
 def hfma_ready(kw: KernelWeight, x: torch.Tensor) -> bool:
     """Whether ``hfma_step`` can read ``kw`` against ``x``: NVFP4 weights (their packed bytes viewed
     as int64 words: rows, experts and offsets in whole words) of K a multiple of 32, 16-bit x, where
-    the group decodes through e4m3 (``e2m1_cvt``) or under the interpreter (its fp32 twin); not with
-    ``WMTP_HFMA=0`` (the fp32 forms, for A/B runs)."""
+    the group decodes through e4m3 (``e2m1_cvt``) or under the interpreter (its fp32 twin)."""
     if kw.format != NVFP4_CODE or kw.k % 32 or x.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if os.environ.get("WMTP_HFMA") == "0":
         return False
     if x.device.type == "cuda" and not e2m1_cvt(x.device)["CVT"]:
         return False
     w = kw.weight
     return w.storage_offset() % 8 == 0 and all(st % 8 == 0 for st in w.stride()[:-1])
+
+
+def hfma_default(device: torch.device) -> bool:
+    """Whether the kernels take the f16x2 form by default where ``hfma_ready``: on GPUs that decode
+    through e4m3, not with ``WMTP_HFMA=0`` (the fp32 forms, for A/B runs) and not under the
+    interpreter (its fp32 twin of the form is for the kernel tests, which ask for it)."""
+    return e2m1_cvt(device)["CVT"] and os.environ.get("WMTP_HFMA") != "0"
 
 
 def x_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
