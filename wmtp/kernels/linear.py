@@ -52,7 +52,9 @@ class LinearTiles(NamedTuple):
     num_warps: int
     num_stages: int = 3  # Triton's default on NVIDIA GPUs
     gemv: bool = False
-    hfma: bool | None = None  # a gemv over NVFP4 by f16x2 FMAs (``quant_tiles.hfma_step``): None where ``hfma_default``
+    # a gemv over NVFP4 by f16x2 FMAs (``quant_tiles.hfma_step``) where ``hfma_ready``; None: where
+    # ``hfma_default``. Off by default until timed against the FMA form on a GPU (tune_linear.py)
+    hfma: bool | None = False
 
 
 if triton is not None:
