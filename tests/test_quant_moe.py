@@ -99,6 +99,8 @@ def test_bad_experts_name_the_problem():
         swiglu_gemv(torch.zeros(1, 32, device=DEVICE), gate, up, torch.zeros(2, dtype=torch.long, device=DEVICE), 1)
     with pytest.raises(ValueError, match="w_up .* must match w_gate"):
         swiglu_gemv(torch.zeros(1, 32, device=DEVICE), gate, _experts(FP8Block(), [(16, 32)], 2, seed=0), one, 1)
+    with pytest.raises(ValueError, match="swiglu_gemv: HFMA=True needs NVFP4 weights .* got torch.float32 x"):
+        swiglu_gemv(torch.zeros(1, 32, device=DEVICE), gate, up, one, 1, HFMA=True)
     with pytest.raises(ValueError, match="down_combine: h"):
         down_combine(torch.zeros(3, 32, device=DEVICE), w, torch.zeros(3, device=DEVICE), torch.zeros(3), 2)
 

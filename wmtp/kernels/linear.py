@@ -94,13 +94,10 @@ if triton is not None:
         t_ok = ts < T
         if HFMA:  # one row, [cols, BLOCK_K / 32, 2] NVFP4 groups (quant_tiles.hfma_step)
             k_lo = s * K_SPLIT
-            c3 = cols[:, None, None]
-            blk = tl.arange(0, BLOCK_K // 32)[None, :, None]
-            half = tl.arange(0, 2)[None, None, :]
             acc3 = tl.zeros([BLOCK_N, BLOCK_K // 32, 2], tl.float32)
             for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
-                acc3 = hfma_step(W, S, XW, c3 * stride_wn + 2 * blk + half, c3 * stride_sn + 2 * blk + half,
-                                 8 * blk + half + c3 * 0, k0, K, col_ok[:, None, None], blk, acc3, CVT, MASKED)
+                acc3 = hfma_step(W, S, XW, cols * stride_wn, cols * stride_sn, 0, col_ok, k0, K, acc3, BLOCK_K, CVT,
+                                 MASKED)
             acc = (tl.sum(tl.sum(acc3, 2), 1) * (tl.load(XINV) * 64.0))[None, :]
         elif GEMV:  # one row (T_P = 1)
             k_lo = s * K_SPLIT

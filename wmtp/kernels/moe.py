@@ -115,15 +115,19 @@ if triton is not None:
         tl.store(I_OUT + t * TOP_K + ks, sel_i, mask=ks < TOP_K)
 
     @triton.jit
-    def _pair_operands(p, P, IDX, WG, WU, CG, CU, SG, SU, SCG, SCU, stride_we, stride_ce, TOP_K: tl.constexpr):
-        """Row p of a pair-wise launch: (shared, expert, gate / up weight and scale bases, token). Rows
-        p < P: routed pair p (expert idx[p], token p // TOP_K); rows p >= P: the shared expert for
-        token p - P. Selected by value, not by branching, so both kinds of program run the same loop."""
+    def _pair_operands(p, P, N, NS, IDX, WG, WU, CG, CU, SG, SU, SCG, SCU, OUT, stride_we, stride_wn, stride_ce,
+                       stride_cn, stride_sn, stride_scn, TOP_K: tl.constexpr):
+        """Row p of a pair-wise launch: (shared, expert, gate / up weight and scale bases, token, its
+        output width, weight and scale row strides, output row). Rows p < P: routed pair p (expert
+        idx[p], token p // TOP_K) into OUT[:P*N] as [P, N]; rows p >= P: the shared expert for token
+        p - P into OUT[P*N:] as [T, NS]. Selected by value, not by branching, so both kinds of program
+        run the same loop."""
         sh = p >= P
         e = tl.load(IDX + p, mask=p < P, other=0).to(tl.int64)
         return (sh, e, tl.where(sh, SG, WG + e * stride_we), tl.where(sh, SU, WU + e * stride_we),
                 tl.where(sh, SCG, CG + e * stride_ce), tl.where(sh, SCU, CU + e * stride_ce),
-                tl.where(sh, p - P, p // TOP_K))
+                tl.where(sh, p - P, p // TOP_K), tl.where(sh, NS, N), tl.where(sh, stride_sn, stride_wn),
+                tl.where(sh, stride_scn, stride_cn), OUT + tl.where(sh, P * N + (p - P) * NS, p * N))
 
     @triton.jit
     def _activation(g, u, OUT, ACT: tl.constexpr):
@@ -155,12 +159,9 @@ if triton is not None:
         GATED: tl.constexpr = ACT == 0
         p = tl.program_id(0)
         nb = tl.program_id(1)
-        sh, e, wg, wu, cg, cu, tok = _pair_operands(p, P, IDX, WG, WU, CG, CU, SG, SU, SCG, SCU, stride_we, stride_ce,
-                                                    TOP_K)
-        n = tl.where(sh, NS, N)
-        stride_n = tl.where(sh, stride_sn, stride_wn)
-        stride_c = tl.where(sh, stride_scn, stride_cn)
-        out = OUT + tl.where(sh, P * N + (p - P) * NS, p * N)
+        sh, e, wg, wu, cg, cu, tok, n, stride_n, stride_c, out = _pair_operands(
+            p, P, N, NS, IDX, WG, WU, CG, CU, SG, SU, SCG, SCU, OUT, stride_we, stride_wn, stride_ce, stride_cn,
+            stride_sn, stride_scn, TOP_K)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n  # the grid spans max(N, NS) rows: the narrower kind masks the rest
         x_off = tok * K
@@ -199,29 +200,20 @@ if triton is not None:
         GATED: tl.constexpr = ACT == 0
         p = tl.program_id(0)
         nb = tl.program_id(1)
-        sh, e, wg, wu, cg, cu, tok = _pair_operands(p, P, IDX, WG, WU, CG, CU, SG, SU, SCG, SCU, stride_we, stride_ce,
-                                                    TOP_K)
+        sh, e, wg, wu, cg, cu, tok, n, stride_n, stride_c, out = _pair_operands(
+            p, P, N, NS, IDX, WG, WU, CG, CU, SG, SU, SCG, SCU, OUT, stride_we, stride_wn, stride_ce, stride_cn,
+            stride_sn, stride_scn, TOP_K)
         tok = tok.to(tl.int64)
-        n = tl.where(sh, NS, N)
-        stride_n = tl.where(sh, stride_sn, stride_wn)
-        stride_c = tl.where(sh, stride_scn, stride_cn)
-        out = OUT + tl.where(sh, P * N + (p - P) * NS, p * N)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n
-        # cells [rows, BLOCK_K / 32, 2]: one NVFP4 group each, the two groups of a 32-input block side by side
-        r3 = rows[:, None, None]
-        j = tl.arange(0, BLOCK_K // 32)[None, :, None]
-        cell = 2 * j + tl.arange(0, 2)[None, None, :]
-        x_cells = tok * (K // 4) + 8 * j + tl.arange(0, 2)[None, None, :] + r3 * 0
-        ok = row_ok[:, None, None]
         ga = tl.zeros([BLOCK_N, BLOCK_K // 32, 2], tl.float32)
         ua = tl.zeros_like(ga)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):  # one x tile for both weights
             if GATED:
-                ga = hfma_step(wg, cg, XW, r3 * stride_n + cell, r3 * stride_c + cell, x_cells, k0, K, ok, j, ga,
-                               CVT, MASKED)
-            ua = hfma_step(wu, cu, XW, r3 * stride_n + cell, r3 * stride_c + cell, x_cells, k0, K, ok, j, ua,
-                           CVT, MASKED)
+                ga = hfma_step(wg, cg, XW, rows * stride_n, rows * stride_c, tok * (K // 4), row_ok, k0, K, ga,
+                               BLOCK_K, CVT, MASKED)
+            ua = hfma_step(wu, cu, XW, rows * stride_n, rows * stride_c, tok * (K // 4), row_ok, k0, K, ua,
+                           BLOCK_K, CVT, MASKED)
         inv = tl.load(XINV + tok) * 64.0  # x's power of 2, and the e4m3 decode's 1 / 64
         u = row_scale(tl.sum(tl.sum(ua, 2), 1) * inv, tl.where(sh, SRU, RU + e * stride_re), rows, row_ok, 1)
         g = u

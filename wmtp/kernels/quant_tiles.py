@@ -418,26 +418,30 @@ if triton is not None:
             return acc + tl.sum(v * _x_half(word, (i // 2) % 4), -1) * sc
 
     @triton.jit
-    def hfma_step(W, C, XW, w_cells, c_cells, x_cells, k0, K, ok, j, acc, CVT: tl.constexpr,
+    def hfma_step(W, C, XW, w_rows, c_rows, x_off, row_ok, k0, K, acc, BLOCK_K: tl.constexpr, CVT: tl.constexpr,
                   MASKED: tl.constexpr):
-        """``acc`` [rows, BLOCK_K / 32, 2] (fp32, one cell an NVFP4 group) plus K step ``[k0, k0 +
-        BLOCK_K)`` of ``hfma_group`` over the weight at ``W`` (its packed bytes as int64 words) and
-        ``C`` (e4m3 group scales), ``w_cells`` / ``c_cells`` the cells' offsets at k0 = 0, and the
-        inputs at ``XW + x_cells`` (``x_groups``' int64 words, no stride along rows: every row loads
-        the same inputs, so the weight, scale and x tiles take one layout and no tile moves between
-        threads); ``j`` the cells' 32-input block, ``ok`` [rows, 1, 1] the valid rows; MASKED: K or
-        the rows may end inside the tile."""
-        g = k0 // 16
-        xw = XW + x_cells + k0 // 4
+        """``acc`` [rows, BLOCK_K / 32, 2] (fp32, one cell an NVFP4 group, the two groups of a 32-input
+        block side by side) plus K step ``[k0, k0 + BLOCK_K)`` of ``hfma_group`` over the weight rows
+        at ``W + w_rows`` (their packed bytes as int64 words) with scales at ``C + c_rows`` (e4m3),
+        against the inputs at ``XW + x_off`` (``x_groups``' int64 words). Every row loads the inputs
+        through offsets of the tile's own shape (no stride along rows), so the weight, scale and x
+        tiles take one layout and no tile moves between threads. MASKED: K or the rows (``row_ok``)
+        may end inside the tile."""
+        j = tl.arange(0, BLOCK_K // 32)[None, :, None]
+        cell = 2 * j + tl.arange(0, 2)[None, None, :] + k0 // 16
+        r0 = (w_rows * 0)[:, None, None]
+        xw = XW + x_off + 8 * j + tl.arange(0, 2)[None, None, :] + k0 // 4 + r0
+        w_ptr = W + w_rows[:, None, None] + cell
+        c_ptr = C + c_rows[:, None, None] + cell
         if MASKED:
-            m = ok & (k0 + 32 * j < K)
-            w = tl.load(W + w_cells + g, mask=m, other=0)
-            sc = tl.load(C + c_cells + g, mask=m, other=0.0)
+            m = row_ok[:, None, None] & (k0 + 32 * j < K)
+            w = tl.load(w_ptr, mask=m, other=0)
+            sc = tl.load(c_ptr, mask=m, other=0.0)
             x = (tl.load(xw, mask=m, other=0), tl.load(xw + 2, mask=m, other=0), tl.load(xw + 4, mask=m, other=0),
                  tl.load(xw + 6, mask=m, other=0))
         else:
-            w = tl.load(W + w_cells + g)
-            sc = tl.load(C + c_cells + g)
+            w = tl.load(w_ptr)
+            sc = tl.load(c_ptr)
             x = (tl.load(xw), tl.load(xw + 2), tl.load(xw + 4), tl.load(xw + 6))
         return hfma_group(w, x[0], x[1], x[2], x[3], sc.to(tl.float32), acc, CVT)
 
