@@ -186,12 +186,13 @@ def test_x_groups_matches_its_twin(shape):
         x_groups(torch.zeros(1, 48, device=DEVICE, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("act", ["swiglu", "relu2", "linear"])
-def test_hfma_form_matches_the_reference(act):
-    """The pair-wise GEMV's f16x2 form (NVFP4 experts, 16-bit x: ``_pair_hfma_kernel``) against the
-    reference over the dequantized experts, with the K step dividing K and not, rows not a multiple
-    of the row tile, and the shared expert's rows (of another width) in the same launch; and equal
-    to the fp32 forms within bf16's rounding."""
+def test_hfma_form_matches_the_reference(act, prefetch):
+    """The pair-wise GEMV's f16x2 form (NVFP4 experts, 16-bit x: ``_pair_hfma_kernel``, its K steps
+    loaded one ahead or not) against the reference over the dequantized experts, with the K step
+    dividing K and not, rows not a multiple of the row tile, and the shared expert's rows (of
+    another width) in the same launch; and equal to the fp32 forms within bf16's rounding."""
     fmt, E, H, inter, top_k, T = NVFP4(), 5, 96, 40, 3, 4
     dtype = torch.bfloat16
     w = _experts(fmt, [(inter, H), (inter, H)], E, seed=21)
@@ -202,21 +203,22 @@ def test_hfma_form_matches_the_reference(act):
     F = torch.nn.functional
     lin = torch.stack([F.linear(x[p // top_k], w[int(e)].dequantize(dtype)) for p, e in enumerate(idx)])
     for tiles in ({"BLOCK_N": 16, "BLOCK_K": 64}, {"BLOCK_N": 8, "BLOCK_K": 32}):
+        hfma = {"HFMA": True, "PREFETCH": prefetch}
         if act == "swiglu":
             want = F.silu(lin[:, :inter]) * lin[:, inter:]
             sg, su = _linear(fmt, 24, H, 23), _linear(fmt, 24, H, 24)
-            got, got_s = swiglu_gemv_with_shared(x, gate, up, idx, top_k, sg, su, HFMA=True, **tiles)
+            got, got_s = swiglu_gemv_with_shared(x, gate, up, idx, top_k, sg, su, **hfma, **tiles)
             want_s = F.silu(F.linear(x, sg.dequantize(dtype))) * F.linear(x, su.dequantize(dtype))
             assert _close(got_s, want_s)
             fp32 = swiglu_gemv(x, gate, up, idx, top_k, HFMA=False, **tiles)
         elif act == "relu2":
             want = torch.relu(lin[:, inter:]) ** 2
-            got = relu2_gemv(x, up, idx, top_k, HFMA=True, **tiles)
+            got = relu2_gemv(x, up, idx, top_k, **hfma, **tiles)
             fp32 = relu2_gemv(x, up, idx, top_k, HFMA=False, **tiles)
         else:
             want = lin[:, inter:]
             xs = x.repeat_interleave(top_k, 0)
-            got = expert_gemv("expert_gemv", xs, up, idx, HFMA=True, **tiles)
+            got = expert_gemv("expert_gemv", xs, up, idx, **hfma, **tiles)
             fp32 = expert_gemv("expert_gemv", xs, up, idx, HFMA=False, **tiles)
         assert _close(got, want) and _close(got, fp32)
 
@@ -224,7 +226,8 @@ def test_hfma_form_matches_the_reference(act):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="the f16x2 form decodes through cvt.rn.f16x2.e4m3x2 (compute capability 8.9+)")
-def test_hfma_form_over_every_byte():
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_hfma_form_over_every_byte(prefetch):
     """The f16x2 form on the GPU (inline PTX) against the reference, over weights whose packed bytes
     take all 256 values, and x spanning six orders of magnitude in a row (the fp16 scaling)."""
     fmt, E, H, inter, top_k, T = NVFP4(), 4, 256, 64, 2, 3
@@ -236,6 +239,6 @@ def test_hfma_form_over_every_byte():
     idx = torch.randint(0, E, (T * top_k,), generator=g).to(DEVICE)
     F = torch.nn.functional
     want = torch.stack([F.linear(x[p // top_k], w[int(e)].dequantize(torch.bfloat16)) for p, e in enumerate(idx)])
-    got = expert_gemv("expert_gemv", x.repeat_interleave(top_k, 0), w, idx, HFMA=True)
+    got = expert_gemv("expert_gemv", x.repeat_interleave(top_k, 0), w, idx, HFMA=True, PREFETCH=prefetch)
     assert _close(got, want) and want.abs().max() > 0
 

@@ -418,15 +418,14 @@ if triton is not None:
             return acc + tl.sum(v * _x_half(word, (i // 2) % 4), -1) * sc
 
     @triton.jit
-    def hfma_step(W, C, XW, w_rows, c_rows, x_off, row_ok, k0, K, acc, BLOCK_K: tl.constexpr, CVT: tl.constexpr,
-                  MASKED: tl.constexpr):
-        """``acc`` [rows, BLOCK_K / 32, 2] (fp32, one cell an NVFP4 group, the two groups of a 32-input
-        block side by side) plus K step ``[k0, k0 + BLOCK_K)`` of ``hfma_group`` over the weight rows
-        at ``W + w_rows`` (their packed bytes as int64 words) with scales at ``C + c_rows`` (e4m3),
-        against the inputs at ``XW + x_off`` (``x_groups``' int64 words). Every row loads the inputs
-        through offsets of the tile's own shape (no stride along rows), so the weight, scale and x
-        tiles take one layout and no tile moves between threads. MASKED: K or the rows (``row_ok``)
-        may end inside the tile."""
+    def hfma_load(W, C, XW, w_rows, c_rows, x_off, row_ok, k0, K, BLOCK_K: tl.constexpr, MASKED: tl.constexpr):
+        """K step ``[k0, k0 + BLOCK_K)``'s tiles for ``hfma_group``, [rows, BLOCK_K / 32, 2] each (a cell
+        an NVFP4 group, the two groups of a 32-input block side by side): the weight rows at ``W +
+        w_rows`` (their packed bytes as int64 words), their e4m3 scales at ``C + c_rows``, and the
+        four ``x_groups`` words of each group at ``XW + x_off``. Every row loads the inputs through
+        offsets of the tile's own shape (no stride along rows), so the weight, scale and x tiles take
+        one layout and no tile moves between threads. MASKED: K or the rows (``row_ok``) may end
+        inside the tile (a step at or past K loads nothing)."""
         j = tl.arange(0, BLOCK_K // 32)[None, :, None]
         cell = 2 * j + tl.arange(0, 2)[None, None, :] + k0 // 16
         r0 = (w_rows * 0)[:, None, None]
@@ -435,15 +434,18 @@ if triton is not None:
         c_ptr = C + c_rows[:, None, None] + cell
         if MASKED:
             m = row_ok[:, None, None] & (k0 + 32 * j < K)
-            w = tl.load(w_ptr, mask=m, other=0)
-            sc = tl.load(c_ptr, mask=m, other=0.0)
-            x = (tl.load(xw, mask=m, other=0), tl.load(xw + 2, mask=m, other=0), tl.load(xw + 4, mask=m, other=0),
-                 tl.load(xw + 6, mask=m, other=0))
-        else:
-            w = tl.load(w_ptr)
-            sc = tl.load(c_ptr)
-            x = (tl.load(xw), tl.load(xw + 2), tl.load(xw + 4), tl.load(xw + 6))
-        return hfma_group(w, x[0], x[1], x[2], x[3], sc.to(tl.float32), acc, CVT)
+            return (tl.load(w_ptr, mask=m, other=0), tl.load(c_ptr, mask=m, other=0.0), tl.load(xw, mask=m, other=0),
+                    tl.load(xw + 2, mask=m, other=0), tl.load(xw + 4, mask=m, other=0),
+                    tl.load(xw + 6, mask=m, other=0))
+        return tl.load(w_ptr), tl.load(c_ptr), tl.load(xw), tl.load(xw + 2), tl.load(xw + 4), tl.load(xw + 6)
+
+    @triton.jit
+    def hfma_step(W, C, XW, w_rows, c_rows, x_off, row_ok, k0, K, acc, BLOCK_K: tl.constexpr, CVT: tl.constexpr,
+                  MASKED: tl.constexpr):
+        """``acc`` [rows, BLOCK_K / 32, 2] (fp32) plus K step ``[k0, k0 + BLOCK_K)`` of ``hfma_group``
+        over ``hfma_load``'s tiles."""
+        w, sc, xea, xeb, xoa, xob = hfma_load(W, C, XW, w_rows, c_rows, x_off, row_ok, k0, K, BLOCK_K, MASKED)
+        return hfma_group(w, xea, xeb, xoa, xob, sc.to(tl.float32), acc, CVT)
 
     @triton.jit
     def _x_groups_kernel(X, XH, XINV, K, BLOCK: tl.constexpr, PDL: tl.constexpr):
