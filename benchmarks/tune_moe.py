@@ -43,8 +43,7 @@ GRIDS = {
 # quantized experts (--quantize): fewer stages / warps, K steps the format allows (FP8: within a
 # 128-input scale block); the pair-wise kernels also with their FMA candidate (FMA=True: the sum over K
 # once after the loop) and NVFP4's f16x2 form (HFMA)
-# NVFP4's f16x2 form, its K steps loaded one ahead (hfma_pf) or not
-HFMA_GRID = list(itertools.product((4, 8, 16), (256, 512, 1024), (2, 4), (1,), ("hfma", "hfma_pf")))
+HFMA_GRID = list(itertools.product((4, 8, 16), (256, 512, 1024), (1, 2, 4), (1,), ("hfma",)))  # NVFP4's f16x2 form
 QUANT_GRIDS = {
     "nvfp4": {"swiglu_routed_shared": list(itertools.product((8, 16), (128, 256, 512), (4, 8), (3,), (False, True)))
               + HFMA_GRID,
@@ -89,9 +88,8 @@ def sweep(name: str, fn: Callable[..., torch.Tensor], layers: int, nbytes: int, 
 
     results = []
     for bn, bk, nw, ns, *form in grid:
-        hfma = form in (["hfma"], ["hfma_pf"])
-        cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns, "HFMA": hfma,
-               **({"PREFETCH": form == ["hfma_pf"]} if hfma else {"FMA": form[0]} if form else {})}
+        cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns,
+               "HFMA": form == ["hfma"], **({"FMA": form[0]} if form and form != ["hfma"] else {})}
         try:
             results.append({**cfg, "ms": per_launch(**cfg)})
         except Exception as e:  # resources exceeded for this tile: not a candidate
@@ -124,7 +122,7 @@ def main() -> None:
     if a.forms == "hfma":
         if a.quantize != "nvfp4":
             raise SystemExit("tune_moe: --forms hfma needs --quantize nvfp4")
-        grids = {c: [g for g in grid if g[4:] in (("hfma",), ("hfma_pf",))] for c, grid in grids.items()}
+        grids = {c: [g for g in grid if g[4:] == ("hfma",)] for c, grid in grids.items()}
 
     def randn(*shape: int) -> torch.Tensor | QuantWeight:
         if fmt is None:

@@ -82,22 +82,20 @@ def cases() -> dict[str, tuple]:
             case = out[f"pair_gemv-{fmt}-cvt{int(cvt)}-swiglu-{'verify' if big else 'token'}"]
             out[f"pair_gemv_other-{fmt}-cvt{int(cvt)}-{'verify' if big else 'token'}"] = (
                 case[0], case[1], {**case[2], "FMA": not fma}, case[3])
-    # the f16x2 form (NVFP4, bf16 x) at its default tiles, each activation, masked or not, its K steps
-    # loaded one ahead or not
+    # the f16x2 form (NVFP4, bf16 x) at its default tiles, each activation, masked or not
     from wmtp.kernels.moe import hfma_tiles
 
-    for (act, masked), prefetch in itertools.product((("swiglu", True), ("relu2", False), ("linear", True)),
-                                                     (False, True)):
+    for act, masked in (("swiglu", True), ("relu2", False), ("linear", True)):
         a = ("swiglu", "relu2", "linear").index(act)
         (bn, bk), warps = hfma_tiles(a, True, 1024)
-        out[f"pair_hfma-{act}-masked{int(masked)}{'-prefetch' * prefetch}"] = (
+        out[f"pair_hfma-{act}-masked{int(masked)}"] = (
             "wmtp.kernels.moe:_pair_hfma_kernel",
             {"XW": "*i64", "XINV": "*fp32", "WG": "*i64", "WU": "*i64", "CG": "*fp8e4nv", "CU": "*fp8e4nv", "RG": "*fp32",
              "RU": "*fp32", "IDX": "*i64", "SG": "*i64", "SU": "*i64", "SCG": "*fp8e4nv", "SCU": "*fp8e4nv",
              "SRG": "*fp32", "SRU": "*fp32", "OUT": "*bf16",
              **_ints("P", "N", "NS", "K", "stride_we", "stride_wn", "stride_ce", "stride_cn", "stride_re", "stride_sn",
                      "stride_scn")},
-            dict(TOP_K=8, ACT=a, BLOCK_N=bn, BLOCK_K=bk, MASKED=masked, PREFETCH=prefetch, CVT=True, PDL=True),
+            dict(TOP_K=8, ACT=a, BLOCK_N=bn, BLOCK_K=bk, MASKED=masked, CVT=True, PDL=True),
             {"num_warps": warps, "num_stages": 1})
     # at the 35B's K (512) and the 122B's (1024), where their tiles differ
     for (fmt, cvt), shared, tokens, k in itertools.product(CVT, (False, True), (1, 7), (512, 1024)):

@@ -186,13 +186,12 @@ def test_x_groups_matches_its_twin(shape):
         x_groups(torch.zeros(1, 48, device=DEVICE, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("act", ["swiglu", "relu2", "linear"])
-def test_hfma_form_matches_the_reference(act, prefetch):
-    """The pair-wise GEMV's f16x2 form (NVFP4 experts, 16-bit x: ``_pair_hfma_kernel``, its K steps
-    loaded one ahead or not) against the reference over the dequantized experts, with the K step
-    dividing K and not, rows not a multiple of the row tile, and the shared expert's rows (of
-    another width) in the same launch; and equal to the fp32 forms within bf16's rounding."""
+def test_hfma_form_matches_the_reference(act):
+    """The pair-wise GEMV's f16x2 form (NVFP4 experts, 16-bit x: ``_pair_hfma_kernel``) against the
+    reference over the dequantized experts, with the K step dividing K and not, rows not a multiple
+    of the row tile, and the shared expert's rows (of another width) in the same launch; and equal
+    to the fp32 forms within bf16's rounding."""
     fmt, E, H, inter, top_k, T = NVFP4(), 5, 96, 40, 3, 4
     dtype = torch.bfloat16
     w = _experts(fmt, [(inter, H), (inter, H)], E, seed=21)
@@ -203,7 +202,7 @@ def test_hfma_form_matches_the_reference(act, prefetch):
     F = torch.nn.functional
     lin = torch.stack([F.linear(x[p // top_k], w[int(e)].dequantize(dtype)) for p, e in enumerate(idx)])
     for tiles in ({"BLOCK_N": 16, "BLOCK_K": 64}, {"BLOCK_N": 8, "BLOCK_K": 32}):
-        hfma = {"HFMA": True, "PREFETCH": prefetch}
+        hfma = {"HFMA": True}
         if act == "swiglu":
             want = F.silu(lin[:, :inter]) * lin[:, inter:]
             sg, su = _linear(fmt, 24, H, 23), _linear(fmt, 24, H, 24)
@@ -226,8 +225,7 @@ def test_hfma_form_matches_the_reference(act, prefetch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="the f16x2 form decodes through cvt.rn.f16x2.e4m3x2 (compute capability 8.9+)")
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_hfma_form_over_every_byte(prefetch):
+def test_hfma_form_over_every_byte():
     """The f16x2 form on the GPU (inline PTX) against the reference, over weights whose packed bytes
     take all 256 values, and x spanning six orders of magnitude in a row (the fp16 scaling)."""
     fmt, E, H, inter, top_k, T = NVFP4(), 4, 256, 64, 2, 3
@@ -239,6 +237,6 @@ def test_hfma_form_over_every_byte(prefetch):
     idx = torch.randint(0, E, (T * top_k,), generator=g).to(DEVICE)
     F = torch.nn.functional
     want = torch.stack([F.linear(x[p // top_k], w[int(e)].dequantize(torch.bfloat16)) for p, e in enumerate(idx)])
-    got = expert_gemv("expert_gemv", x.repeat_interleave(top_k, 0), w, idx, HFMA=True, PREFETCH=prefetch)
+    got = expert_gemv("expert_gemv", x.repeat_interleave(top_k, 0), w, idx, HFMA=True)
     assert _close(got, want) and want.abs().max() > 0
 

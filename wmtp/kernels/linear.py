@@ -92,13 +92,13 @@ if triton is not None:
         col_ok = cols < N
         ts = tl.arange(0, T_P)
         t_ok = ts < T
-        if HFMA:  # one row, [cols, BLOCK_K / 32, 2] NVFP4 groups (quant_tiles.hfma_step)
+        if HFMA:  # one row, [cols, BLOCK_K / 16] NVFP4 groups (quant_tiles.hfma_step)
             k_lo = s * K_SPLIT
-            acc3 = tl.zeros([BLOCK_N, BLOCK_K // 32, 2], tl.float32)
+            acc3 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
             for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
                 acc3 = hfma_step(W, S, XW, cols * stride_wn, cols * stride_sn, 0, col_ok, k0, K, acc3, BLOCK_K, CVT,
                                  MASKED)
-            acc = (tl.sum(tl.sum(acc3, 2), 1) * (tl.load(XINV) * 64.0))[None, :]
+            acc = (tl.sum(acc3, 1) * (tl.load(XINV) * 64.0))[None, :]
         elif GEMV:  # one row (T_P = 1)
             k_lo = s * K_SPLIT
             acc3 = tl.zeros([BLOCK_N, BLOCK_K // 16, 8] if FORMAT == 1 else [BLOCK_N, BLOCK_K], tl.float32)

@@ -28,7 +28,6 @@ output is), and expert outputs are rounded before the weighted sum.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -63,8 +62,7 @@ MAX_FUSED_TOP_K = 8
 
 if triton is not None:
     from wmtp.kernels.common import wait_prior
-    from wmtp.kernels.quant_tiles import (fma_sum, hfma_group, hfma_load, hfma_step, row_scale, weight_dot,
-                                          weight_fma, x_step)
+    from wmtp.kernels.quant_tiles import fma_sum, hfma_step, row_scale, weight_dot, weight_fma, x_step
 
     @triton.jit
     def _route_topk_kernel(LOGITS, W_OUT, I_OUT, X, SG, SG_OUT, BIAS, E, HID, scale, TOP_K: tl.constexpr,
@@ -194,12 +192,10 @@ if triton is not None:
     def _pair_hfma_kernel(XW, XINV, WG, WU, CG, CU, RG, RU, IDX, SG, SU, SCG, SCU, SRG, SRU, OUT, P, N, NS, K,
                           stride_we, stride_wn, stride_ce, stride_cn, stride_re, stride_sn, stride_scn,
                           TOP_K: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          MASKED: tl.constexpr, PREFETCH: tl.constexpr, CVT: tl.constexpr, PDL: tl.constexpr):
+                          MASKED: tl.constexpr, CVT: tl.constexpr, PDL: tl.constexpr):
         """``_swiglu_gemv_kernel``'s rows (routed pairs, then the shared expert's) over NVFP4 weights by
-        ``hfma_group``: x as ``x_groups`` words XW with their inverse scales XINV, the weights' packed
-        bytes as int64 words (strides ``stride_we``, ``stride_wn``, ``stride_sn`` in words). PREFETCH:
-        each K step's tiles are loaded one step ahead, into registers (the loop is not otherwise
-        pipelined: Triton's stages go through shared memory)."""
+        ``hfma_step``: x as ``x_groups`` words XW with their inverse scales XINV, the weights' packed
+        bytes as int64 words (strides ``stride_we``, ``stride_wn``, ``stride_sn`` in words)."""
         wait_prior(PDL)
         GATED: tl.constexpr = ACT == 0
         p = tl.program_id(0)
@@ -210,35 +206,18 @@ if triton is not None:
         tok = tok.to(tl.int64)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n
-        ga = tl.zeros([BLOCK_N, BLOCK_K // 32, 2], tl.float32)
+        ga = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
         ua = tl.zeros_like(ga)
         w_rows, c_rows, x_off = rows * stride_n, rows * stride_c, tok * (K // 4)
-        if PREFETCH:
-            uw, us, x0, x1, x2, x3 = hfma_load(wu, cu, XW, w_rows, c_rows, x_off, row_ok, 0, K, BLOCK_K, MASKED)
-            gw, gs = uw, us
+        for k0 in range(0, K, BLOCK_K):  # one x tile for both weights
             if GATED:
-                gw, gs, _, _, _, _ = hfma_load(wg, cg, XW, w_rows, c_rows, x_off, row_ok, 0, K, BLOCK_K, MASKED)
-            for k0 in range(0, K, BLOCK_K):
-                # past the last step: nothing (masked), or the last step again (an L1 hit)
-                kn = k0 + BLOCK_K if MASKED else tl.minimum(k0 + BLOCK_K, K - BLOCK_K)
-                uwn, usn, x0n, x1n, x2n, x3n = hfma_load(wu, cu, XW, w_rows, c_rows, x_off, row_ok, kn, K, BLOCK_K,
-                                                         MASKED)
-                ua = hfma_group(uw, x0, x1, x2, x3, us.to(tl.float32), ua, CVT)
-                gwn, gsn = uwn, usn
-                if GATED:
-                    gwn, gsn, _, _, _, _ = hfma_load(wg, cg, XW, w_rows, c_rows, x_off, row_ok, kn, K, BLOCK_K, MASKED)
-                    ga = hfma_group(gw, x0, x1, x2, x3, gs.to(tl.float32), ga, CVT)
-                uw, us, gw, gs, x0, x1, x2, x3 = uwn, usn, gwn, gsn, x0n, x1n, x2n, x3n
-        else:
-            for k0 in range(0, K, BLOCK_K):  # one x tile for both weights
-                if GATED:
-                    ga = hfma_step(wg, cg, XW, w_rows, c_rows, x_off, row_ok, k0, K, ga, BLOCK_K, CVT, MASKED)
-                ua = hfma_step(wu, cu, XW, w_rows, c_rows, x_off, row_ok, k0, K, ua, BLOCK_K, CVT, MASKED)
+                ga = hfma_step(wg, cg, XW, w_rows, c_rows, x_off, row_ok, k0, K, ga, BLOCK_K, CVT, MASKED)
+            ua = hfma_step(wu, cu, XW, w_rows, c_rows, x_off, row_ok, k0, K, ua, BLOCK_K, CVT, MASKED)
         inv = tl.load(XINV + tok) * 64.0  # x's power of 2, and the e4m3 decode's 1 / 64
-        u = row_scale(tl.sum(tl.sum(ua, 2), 1) * inv, tl.where(sh, SRU, RU + e * stride_re), rows, row_ok, 1)
+        u = row_scale(tl.sum(ua, 1) * inv, tl.where(sh, SRU, RU + e * stride_re), rows, row_ok, 1)
         g = u
         if GATED:
-            g = row_scale(tl.sum(tl.sum(ga, 2), 1) * inv, tl.where(sh, SRG, RG + e * stride_re), rows, row_ok, 1)
+            g = row_scale(tl.sum(ga, 1) * inv, tl.where(sh, SRG, RG + e * stride_re), rows, row_ok, 1)
         tl.store(out + rows, _activation(g, u, OUT, ACT), mask=row_ok)
 
     @triton.jit
@@ -521,7 +500,7 @@ def _pair_hfma_launch(x: torch.Tensor, g: KernelWeight, u: KernelWeight, sg: Ker
     (bn, bk), warps = hfma_tiles(act, P + Ts >= 32, K)
     # one stage: Triton's software pipelining would stage the tiles through shared memory (5x slower)
     cfg = {"BLOCK_N": launch_tile(bn, max(N, Ns)), "BLOCK_K": max(32, launch_tile(bk, K, 512)), "num_warps": warps,
-           "num_stages": 1, "PREFETCH": os.environ.get("WMTP_HFMA_PREFETCH") == "1", **launch}
+           "num_stages": 1, **launch}
     words = lambda w: w.weight.view(torch.int64)  # noqa: E731
     masked = bool(K % cfg["BLOCK_K"] or max(N, Ns) % cfg["BLOCK_N"] or (Ts and N != Ns))
     xw, inv = x_groups(x)

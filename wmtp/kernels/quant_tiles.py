@@ -419,31 +419,39 @@ if triton is not None:
 
     @triton.jit
     def hfma_load(W, C, XW, w_rows, c_rows, x_off, row_ok, k0, K, BLOCK_K: tl.constexpr, MASKED: tl.constexpr):
-        """K step ``[k0, k0 + BLOCK_K)``'s tiles for ``hfma_group``, [rows, BLOCK_K / 32, 2] each (a cell
-        an NVFP4 group, the two groups of a 32-input block side by side): the weight rows at ``W +
-        w_rows`` (their packed bytes as int64 words), their e4m3 scales at ``C + c_rows``, and the
-        four ``x_groups`` words of each group at ``XW + x_off``. Every row loads the inputs through
-        offsets of the tile's own shape (no stride along rows), so the weight, scale and x tiles take
-        one layout and no tile moves between threads. MASKED: K or the rows (``row_ok``) may end
-        inside the tile (a step at or past K loads nothing)."""
-        j = tl.arange(0, BLOCK_K // 32)[None, :, None]
-        cell = 2 * j + tl.arange(0, 2)[None, None, :] + k0 // 16
-        r0 = (w_rows * 0)[:, None, None]
-        xw = XW + x_off + 8 * j + tl.arange(0, 2)[None, None, :] + k0 // 4 + r0
-        w_ptr = W + w_rows[:, None, None] + cell
-        c_ptr = C + c_rows[:, None, None] + cell
+        """K step ``[k0, k0 + BLOCK_K)``'s tiles for ``hfma_group``, [rows, BLOCK_K / 16] each (a cell an
+        NVFP4 group): the weight rows at ``W + w_rows`` (their packed bytes as int64 words), their e4m3
+        scales at ``C + c_rows``, and the four ``x_groups`` words of each group at ``XW + x_off``, loaded
+        as one row and broadcast: the groups run along the tile's contiguous dimension, so each thread
+        holds its groups for every row and reads their inputs once for all of them (x loaded per row
+        was four times the weight bytes through L1, the kernel's bound on an H100). MASKED: K or the
+        rows (``row_ok``) may end inside the tile (a step at or past K loads nothing)."""
+        c = tl.arange(0, BLOCK_K // 16)[None, :]
+        cell = k0 // 16 + c
+        w_ptr = W + w_rows[:, None] + cell
+        # the scales' bytes as runs of 2 (a 32-input block's pair), as the weight words load: one layout
+        # for every tile, no conversion through shared memory
+        c_ptr = C + c_rows[:, None] + k0 // 16 + 2 * (c // 2) + c % 2
+        xw = XW + x_off + k0 // 4 + 8 * (c // 2) + c % 2  # block c // 2's words of parity c % 2
         if MASKED:
-            m = row_ok[:, None, None] & (k0 + 32 * j < K)
-            return (tl.load(w_ptr, mask=m, other=0), tl.load(c_ptr, mask=m, other=0.0), tl.load(xw, mask=m, other=0),
-                    tl.load(xw + 2, mask=m, other=0), tl.load(xw + 4, mask=m, other=0),
-                    tl.load(xw + 6, mask=m, other=0))
-        return tl.load(w_ptr), tl.load(c_ptr), tl.load(xw), tl.load(xw + 2), tl.load(xw + 4), tl.load(xw + 6)
+            k_ok = k0 + 32 * (c // 2) < K  # per 32-input block (K is a multiple of 32), as the loads' vectors
+            m = row_ok[:, None] & k_ok
+            w = tl.load(w_ptr, mask=m, other=0)
+            sc = tl.load(c_ptr, mask=m, other=0.0)
+            x = (tl.load(xw, mask=k_ok, other=0), tl.load(xw + 2, mask=k_ok, other=0),
+                 tl.load(xw + 4, mask=k_ok, other=0), tl.load(xw + 6, mask=k_ok, other=0))
+        else:
+            w = tl.load(w_ptr)
+            sc = tl.load(c_ptr)
+            x = tl.load(xw), tl.load(xw + 2), tl.load(xw + 4), tl.load(xw + 6)
+        return (w, sc, tl.broadcast(w, x[0])[1], tl.broadcast(w, x[1])[1], tl.broadcast(w, x[2])[1],
+                tl.broadcast(w, x[3])[1])
 
     @triton.jit
     def hfma_step(W, C, XW, w_rows, c_rows, x_off, row_ok, k0, K, acc, BLOCK_K: tl.constexpr, CVT: tl.constexpr,
                   MASKED: tl.constexpr):
-        """``acc`` [rows, BLOCK_K / 32, 2] (fp32) plus K step ``[k0, k0 + BLOCK_K)`` of ``hfma_group``
-        over ``hfma_load``'s tiles."""
+        """``acc`` [rows, BLOCK_K / 16] (fp32) plus K step ``[k0, k0 + BLOCK_K)`` of ``hfma_group`` over
+        ``hfma_load``'s tiles."""
         w, sc, xea, xeb, xoa, xob = hfma_load(W, C, XW, w_rows, c_rows, x_off, row_ok, k0, K, BLOCK_K, MASKED)
         return hfma_group(w, xea, xeb, xoa, xob, sc.to(tl.float32), acc, CVT)
 
