@@ -362,12 +362,15 @@ def pair_tiles(fmt: int, act: int, big: bool, k: int) -> tuple[tuple[int, int], 
 
 def hfma_tiles(act: int, big: bool, k: int) -> tuple[tuple[int, int], int]:
     """``_pair_hfma_kernel``'s default ((BLOCK_N, BLOCK_K), num_warps) for activation ``act``, ``big``
-    (a verify's 32 or more rows of pairs) and ``k`` inputs: K steps of 512 (masked where K is not a
-    multiple), two warps; 4 rows for two weight tiles a step (SwiGLU) or long rows, 8 otherwise. On
-    an H100 over weights read from HBM, with ``x_groups`` (h100/tuning/tune_moe_nvfp4_hfma_*.json),
-    against the fp32 forms' defaults in their own sweeps (another H100): the 35B's SwiGLU with its shared expert 7.6 / 27.5 us at 1 / 7
-    tokens (10.2 / 46.5), the 122B's 14.8 / 66.2 (20.9 / 139.4); Nemotron-3-Super's 22 latent
-    experts, up 19.2 / 117.5 at 1 / 8 tokens (26.5 / 184.7), down 21.6 / 116.4 (29.4 / 180.4)."""
+    (a verify's 32 or more rows of pairs) and ``k`` inputs. A verify's: one warp over 8 rows, K steps
+    of 1024 (SwiGLU) or 512; a token's: two warps, K steps of 512, over 4 rows for two weight tiles a
+    step (SwiGLU) or long rows, 8 otherwise. On an H100 over weights read from HBM, with ``x_groups``
+    (h100/tuning/tune_moe_nvfp4_hfma_*.json, the sweep's best or within 2%): the 35B's SwiGLU with
+    its shared expert 8.2 / 27.7 us at 1 / 7 tokens, the 122B's 15.5 / 69.7; Nemotron-3-Super's 22
+    latent experts, up 16.8 / 89.2 at 1 / 8 tokens, down 20.4 / 97.7 (the fp32 forms' defaults in the
+    same runs: 10.4 / 47.0, 21.3 / 122.7, 26.8 / 186.3, 29.8 / 181.8)."""
+    if big:
+        return (8, 1024 if act == SWIGLU else 512), 1
     return ((8 if act != SWIGLU and k <= 1024 else 4), 512), 2
 
 
