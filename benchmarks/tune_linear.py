@@ -86,16 +86,13 @@ def main() -> None:
         cublas = bench(lambda w: F.linear(x, w), dense)
         chosen = linear_tiles(T, N, K) if fmt is None else quant_tiles(T, N, K, kernel_weight(name, ws[0]).format)
         chosen_ms = bench(lambda w: decode_linear(x, w))  # what the engine runs: the kernel, or cuBLAS where None
-        # an NVFP4 gemv's f16x2 form (LinearTiles.hfma) at the chosen tiles beside them, same run
-        hfma_ms = bench(lambda w: skinny_linear(x, w, tiles=chosen._replace(hfma=True))) \
-            if chosen is not None and chosen.gemv and a.quantize == "nvfp4" else None
         ref = F.linear(x, ws[0] if fmt is None else ws[0].dequantize(dt))
         err = (skinny_linear(x, ws[0]).float() - ref.float()).abs().max().item()
         results = []
         for cfg in [] if a.no_sweep else grid:
             tiles = LinearTiles(*cfg)
             if tiles.gemv and T != 1:
-                continue  # the FMA path is one row's (skinny_linear refuses it more)
+                continue
             try:
                 tile_err = (skinny_linear(x, ws[0], tiles=tiles).float() - ref.float()).abs().max().item()
                 results.append({**tiles._asdict(), "ms": bench(lambda w: skinny_linear(x, w, tiles=tiles)),
@@ -106,11 +103,9 @@ def main() -> None:
         tb = nbytes / 1e9  # TB/s = weight bytes / 1e12 / (ms / 1e3)
         print(f"{name:28s} T={T}: cuBLAS (bf16) {cublas * 1e3:6.1f} us ({N * K * 2 / 1e9 / cublas:.2f} TB/s) | engine "
               f"{chosen} {chosen_ms * 1e3:6.1f} us ({tb / chosen_ms:.2f}) | best {best['ms'] * 1e3:6.1f} us "
-              f"({tb / best['ms']:.2f}) {best} | max err {err:.3g}"
-              + (f" | f16x2 form {hfma_ms * 1e3:.1f} us" if hfma_ms else ""), flush=True)
+              f"({tb / best['ms']:.2f}) {best} | max err {err:.3g}", flush=True)
         rows.append({"case": name, "N": N, "K": K, "tokens": T, "copies": copies, "cublas_ms": cublas,
-                     "chosen_ms": chosen_ms, "chosen_tiles": None if chosen is None else chosen._asdict(),
-                     "chosen_hfma_ms": hfma_ms, "best": best,
+                     "chosen_ms": chosen_ms, "chosen_tiles": None if chosen is None else chosen._asdict(), "best": best,
                      "max_abs_err_vs_cublas": err, "all": results})
     with open(a.out, "w") as f:
         json.dump({"commit": revision(),

@@ -26,7 +26,7 @@ def _ints(*names: str) -> dict[str, str]:
 
 
 # the skinny linear's arguments but W / S (the format's)
-LINEAR_TYPES = {"X": "*bf16", "XW": "*i64", "XINV": "*fp32", "R": "*fp32", "BIAS": "*bf16", "OUT": "*bf16",
+LINEAR_TYPES = {"X": "*bf16", "R": "*fp32", "BIAS": "*bf16", "OUT": "*bf16",
                 "PART": "*fp32", "COUNT": "*i32",
                 **dict.fromkeys(("T", "N", "K", "stride_xt", "stride_wn", "stride_sn", "stride_ot", "K_SPLIT"), "i32")}
 
@@ -44,7 +44,7 @@ def cases() -> dict[str, tuple]:
             "wmtp.kernels.linear:_skinny_linear_kernel",
             {**LINEAR_TYPES, "W": w, "S": s},
             dict(FORMAT=code, HAS_BIAS=True, SPLITS=splits, WIDEN=False, PREC="tf32", T_P=16, BLOCK_N=tiles.block_n,
-                 BLOCK_K=tiles.block_k, CVT=cvt, GEMV=False, HFMA=False, MASKED=False, PDL=True),
+                 BLOCK_K=tiles.block_k, CVT=cvt, GEMV=False, PDL=True),
             {"num_warps": tiles.num_warps})
     # the one-row FMA path (LinearTiles.gemv): NVFP4's default (4 warps), FP8's up to 4096 outputs (32 x 128, 8 warps)
     for (fmt, cvt), (bn, bk) in itertools.product(CVT, ((8, 256), (16, 256), (32, 128))):
@@ -53,16 +53,8 @@ def cases() -> dict[str, tuple]:
             "wmtp.kernels.linear:_skinny_linear_kernel",
             {**LINEAR_TYPES, "W": w, "S": s},
             dict(FORMAT=code, HAS_BIAS=False, SPLITS=4, WIDEN=False, PREC="tf32", T_P=1, BLOCK_N=bn,
-                 BLOCK_K=min(bk, 128) if fmt == "fp8" else bk, CVT=cvt, GEMV=True, HFMA=False, MASKED=False, PDL=True),
+                 BLOCK_K=min(bk, 128) if fmt == "fp8" else bk, CVT=cvt, GEMV=True, PDL=True),
             {"num_warps": 8 if fmt == "fp8" else 4})
-    # NVFP4's one-row gemv by f16x2 FMAs at the default tiles (quant_tiles(1, ...)), masked and not
-    for n, masked in ((2048, False), (12352, True)):
-        tiles = quant_tiles(1, n, 2048, 1)
-        out[f"skinny_linear_hfma-n{n}-masked{int(masked)}"] = (
-            "wmtp.kernels.linear:_skinny_linear_kernel", {**LINEAR_TYPES, "W": "*i64", "S": "*fp8e4nv"},
-            dict(FORMAT=1, HAS_BIAS=True, SPLITS=tiles.splits, WIDEN=False, PREC="tf32", T_P=1, BLOCK_N=tiles.block_n,
-                 BLOCK_K=tiles.block_k, CVT=True, GEMV=True, HFMA=True, MASKED=masked, PDL=True),
-            {"num_warps": tiles.num_warps, "num_stages": 1})
     from wmtp.kernels.moe import down_combine_tiles, pair_tiles
 
     # the MoE kernels at the tiles the engine launches them with (a token's, a verify's)

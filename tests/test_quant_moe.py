@@ -105,6 +105,21 @@ def test_bad_experts_name_the_problem():
         down_combine(torch.zeros(3, 32, device=DEVICE), w, torch.zeros(3, device=DEVICE), torch.zeros(3), 2)
 
 
+def test_hfma_form_rows_beyond_fp16s_range():
+    """x_groups scales each token row by a power of 2: rows of 1e6 (past fp16's 65504) and 1e-6
+    (below its normals) come out of the f16x2 form as exact as a row of 1, each to its own size."""
+    fmt, E, H, inter = NVFP4(), 3, 128, 40
+    w = _experts(fmt, [(inter, H)], E, seed=27)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(28))
+    x = (x * torch.tensor([[1e6], [1.0], [1e-6]])).to(DEVICE, torch.bfloat16)
+    idx = torch.tensor([2, 0, 1], device=DEVICE)
+    got = expert_gemv("expert_gemv", x, w, idx, HFMA=True, BLOCK_N=8, BLOCK_K=64)
+    want = torch.stack([torch.nn.functional.linear(x[p], w[int(e)].dequantize(torch.bfloat16)) for p, e in enumerate(idx)])
+    assert torch.isfinite(got).all()
+    for r in range(3):
+        assert _close(got[r], want[r]), r
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="cvt.rn.f16x2.e4m3x2 needs a CUDA device of compute capability 8.9+")

@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from wmtp.kernels.common import arrival_counters, launch_tile, pdl
-from wmtp.kernels.quant_tiles import (FP8_CODE, NVFP4_CODE, dequantize, e2m1_cvt, hfma_default, hfma_ready,
-                                       kernel_weight, x_groups)
+from wmtp.kernels.quant_tiles import FP8_CODE, NVFP4_CODE, dequantize, e2m1_cvt, kernel_weight
 from wmtp.quant import QuantWeight
 
 try:
@@ -43,8 +42,7 @@ class LinearTiles(NamedTuple):
     """Launch configuration: column block, K step, K splits (programs per column block), warps,
     software-pipeline stages; ``gemv``: a quantized weight's one-row launch by FMA (``weight_fma``:
     products kept per input position and summed once after the K loop, so the weight never goes
-    through shared memory to reach a dot's layout) instead of tensor-core dots; ``hfma``: an NVFP4
-    gemv by f16x2 FMAs against x laid out by ``x_groups``."""
+    through shared memory to reach a dot's layout) instead of tensor-core dots."""
 
     block_n: int
     block_k: int
@@ -52,14 +50,11 @@ class LinearTiles(NamedTuple):
     num_warps: int
     num_stages: int = 3  # Triton's default on NVIDIA GPUs
     gemv: bool = False
-    # a gemv over NVFP4 by f16x2 FMAs (``quant_tiles.hfma_step``) where ``hfma_ready``; None: where
-    # ``hfma_default``. Off by default until timed against the FMA form on a GPU (tune_linear.py)
-    hfma: bool | None = False
 
 
 if triton is not None:
     from wmtp.kernels.common import last_to_arrive, wait_prior
-    from wmtp.kernels.quant_tiles import fma_sum, hfma_step, row_scale, tile_scales, weight_fma, weight_tile_dot, x_step
+    from wmtp.kernels.quant_tiles import fma_sum, row_scale, tile_scales, weight_fma, weight_tile_dot, x_step
 
     @triton.jit
     def split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, k_lo, K_SPLIT, K,
@@ -78,13 +73,10 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _skinny_linear_kernel(X, XW, XINV, W, S, R, BIAS, OUT, PART, COUNT, T, N, K, stride_xt, stride_wn, stride_sn,
-                              stride_ot, K_SPLIT, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
+    def _skinny_linear_kernel(X, W, S, R, BIAS, OUT, PART, COUNT, T, N, K, stride_xt, stride_wn, stride_sn, stride_ot,
+                              K_SPLIT, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
                               WIDEN: tl.constexpr, PREC: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, CVT: tl.constexpr, GEMV: tl.constexpr, HFMA: tl.constexpr,
-                              MASKED: tl.constexpr, PDL: tl.constexpr):
-        """HFMA (an NVFP4 gemv): x as ``x_groups`` words XW (its inverse scale XINV), W the packed
-        bytes as int64 words (``stride_wn`` in words); MASKED: K or N may end inside a tile."""
+                              BLOCK_K: tl.constexpr, CVT: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr):
         wait_prior(PDL)
         nb = tl.program_id(0)
         s = tl.program_id(1)
@@ -92,14 +84,7 @@ if triton is not None:
         col_ok = cols < N
         ts = tl.arange(0, T_P)
         t_ok = ts < T
-        if HFMA:  # one row, [cols, BLOCK_K / 16] NVFP4 groups (quant_tiles.hfma_step)
-            k_lo = s * K_SPLIT
-            acc3 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
-            for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
-                acc3 = hfma_step(W, S, XW, cols * stride_wn, cols * stride_sn, 0, col_ok, k0, K, acc3, BLOCK_K, CVT,
-                                 MASKED)
-            acc = (tl.sum(acc3, 1) * (tl.load(XINV) * 64.0))[None, :]
-        elif GEMV:  # one row (T_P = 1)
+        if GEMV:  # one row (T_P = 1)
             k_lo = s * K_SPLIT
             acc3 = tl.zeros([BLOCK_N, BLOCK_K // 16, 8] if FORMAT == 1 else [BLOCK_N, BLOCK_K], tl.float32)
             for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
@@ -244,23 +229,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
         k_split = triton.cdiv(triton.cdiv(K, cfg.splits), bk) * bk  # a multiple of the K step
         splits = triton.cdiv(K, k_split)
         blocks = triton.cdiv(N, cfg.block_n)
-        want = hfma_default(x.device) if cfg.hfma is None else cfg.hfma
-        hfma = cfg.gemv and want and bk % 32 == 0 and hfma_ready(kw, x2)
-        w, xw, inv, stride_w = kw.weight, x2, x2, kw.weight.stride(0)
-        if hfma:
-            (xw, inv), w, stride_w = x_groups(x2), kw.weight.view(torch.int64), stride_w // 8
         # launches of at most MAX_ROWS rows: a 64-row NVFP4 tile gave wrong bf16 results on the H200
         # (Triton 3.6; the 16-row dot is what the kernel is verified with), so more rows re-read the weight
         for lo in range(0, T, MAX_ROWS):
             xs, outs, t = x2[lo:lo + MAX_ROWS], out[lo:lo + MAX_ROWS], min(MAX_ROWS, T - lo)
             part = torch.empty(splits, t, N, device=x.device, dtype=torch.float32) if splits > 1 else outs
             _skinny_linear_kernel[(blocks, splits)](
-                xs, xw, inv, w, kw.scale, kw.rows, outs if bias is None else bias, outs, part,
-                arrival_counters(x.device, blocks), t, N, K, xs.stride(0), stride_w, kw.scale.stride(0),
+                xs, kw.weight, kw.scale, kw.rows, outs if bias is None else bias, outs, part,
+                arrival_counters(x.device, blocks), t, N, K, xs.stride(0), kw.weight.stride(0), kw.scale.stride(0),
                 outs.stride(0), k_split, FORMAT=kw.format, HAS_BIAS=bias is not None, SPLITS=splits,
-                T_P=1 if cfg.gemv else MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=bk, GEMV=cfg.gemv, HFMA=hfma,
-                MASKED=bool(K % bk or N % cfg.block_n), num_warps=cfg.num_warps,
-                num_stages=1 if hfma else cfg.num_stages,  # as _pair_hfma_launch's
+                T_P=1 if cfg.gemv else MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=bk, GEMV=cfg.gemv,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 **dot_flags(x.dtype), **e2m1_cvt(x.device), **pdl(x.device))
     return out.view(*x.shape[:-1], N)
 
