@@ -47,7 +47,7 @@ HFMA_GRID = list(itertools.product((4, 8, 16), (256, 512, 1024), (1, 2, 4), (1,)
 QUANT_GRIDS = {
     "nvfp4": {"swiglu_routed_shared": list(itertools.product((8, 16), (128, 256, 512), (4, 8), (3,), (False, True)))
               + HFMA_GRID,
-              "down_combine_shared": list(itertools.product((2, 4, 8, 16), (64, 128, 256), (4, 8), (2,))),
+              "down_combine_shared": list(itertools.product((2, 4, 8, 16), (64, 128, 256), (4, 8), (2,))) + HFMA_GRID,
               "relu2_up": list(itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (3,), (False, True))) + HFMA_GRID,
               "down_pairs": list(itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (3,), (False, True)))
               + HFMA_GRID},

@@ -86,7 +86,7 @@ def cases() -> dict[str, tuple]:
              "RU": "*fp32", "IDX": "*i64", "SG": "*i64", "SU": "*i64", "SCG": "*fp8e4nv", "SCU": "*fp8e4nv",
              "SRG": "*fp32", "SRU": "*fp32", "OUT": "*bf16",
              **_ints("P", "N", "NS", "K", "stride_we", "stride_wn", "stride_ce", "stride_cn", "stride_re", "stride_sn",
-                     "stride_scn")},
+                     "stride_scn", "XS0")},
             dict(TOP_K=8, ACT=a, BLOCK_N=bn, BLOCK_K=bk, MASKED=masked, CVT=True, PDL=True),
             {"num_warps": warps, "num_stages": 1})
     # at the 35B's K (512) and the 122B's (1024), where their tiles differ

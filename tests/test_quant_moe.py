@@ -105,6 +105,37 @@ def test_bad_experts_name_the_problem():
         down_combine(torch.zeros(3, 32, device=DEVICE), w, torch.zeros(3, device=DEVICE), torch.zeros(3), 2)
 
 
+@pytest.mark.parametrize("shared", ["one buffer", "apart", None])
+def test_down_combine_by_pairs_matches_the_fused_kernel(shared):
+    """``down_combine``'s pair-wise path (HFMA=True: every pair's row and the shared rows by the f16x2
+    pair GEMV, then ``combine_sorted`` with the sigmoid-gated shared term) against the fused kernel
+    (HFMA=False) and the reference; the shared rows read either as the routed rows' continuation in
+    one buffer (as ``swiglu_gemv_with_shared`` returns them) or from a tensor apart."""
+    fmt, E, H, inter, top_k, T = NVFP4(), 6, 80, 64, 3, 4
+    dtype = torch.bfloat16
+    down, down_s = _experts(fmt, [(H, inter)], E, seed=31), _linear(fmt, H, inter, 32)
+    g = torch.Generator().manual_seed(33)
+    buf = torch.randn((T * top_k + T) * inter, generator=g).to(DEVICE, dtype)
+    h = buf[:T * top_k * inter].view(T * top_k, inter)
+    h_s = buf[T * top_k * inter:].view(T, inter)
+    if shared == "apart":
+        h_s = h_s.clone()
+    idx = torch.randint(0, E, (T, top_k), generator=g).to(DEVICE)
+    top_w = torch.rand(T, top_k, generator=g).to(DEVICE)
+    logit = torch.randn(T, generator=g).to(DEVICE)
+    sh = None if shared is None else (h_s, down_s, logit)
+    F = torch.nn.functional
+    want = torch.stack([sum(top_w[t, j] * F.linear(h[t * top_k + j], down[int(idx[t, j])].dequantize(dtype)).float()
+                            for j in range(top_k)) for t in range(T)])
+    if sh is not None:
+        want = want + torch.sigmoid(logit)[:, None] * F.linear(h_s, down_s.dequantize(dtype)).float()
+    got = down_combine(h, down, idx, top_w, top_k, sh, HFMA=True, BLOCK_N=16, BLOCK_K=32)
+    fused = down_combine(h, down, idx, top_w, top_k, sh, HFMA=False)
+    assert _close(got, want.to(dtype)) and _close(got, fused)
+    with pytest.raises(ValueError, match=r"down_combine: HFMA=True needs NVFP4 weights .* shared h \(4, 32\)"):
+        down_combine(h, down, idx, top_w, top_k, (h_s[:, :32], _linear(fmt, H, 32, 34), logit), HFMA=True)
+
+
 def test_hfma_form_rows_beyond_fp16s_range():
     """x_groups scales each token row by a power of 2: rows of 1e6 (past fp16's 65504) and 1e-6
     (below its normals) come out of the f16x2 form as exact as a row of 1, each to its own size."""

@@ -190,12 +190,13 @@ if triton is not None:
 
     @triton.jit
     def _pair_hfma_kernel(XW, XINV, WG, WU, CG, CU, RG, RU, IDX, SG, SU, SCG, SCU, SRG, SRU, OUT, P, N, NS, K,
-                          stride_we, stride_wn, stride_ce, stride_cn, stride_re, stride_sn, stride_scn,
+                          stride_we, stride_wn, stride_ce, stride_cn, stride_re, stride_sn, stride_scn, XS0,
                           TOP_K: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           MASKED: tl.constexpr, CVT: tl.constexpr, PDL: tl.constexpr):
         """``_swiglu_gemv_kernel``'s rows (routed pairs, then the shared expert's) over NVFP4 weights by
         ``hfma_step``: x as ``x_groups`` words XW with their inverse scales XINV, the weights' packed
-        bytes as int64 words (strides ``stride_we``, ``stride_wn``, ``stride_sn`` in words)."""
+        bytes as int64 words (strides ``stride_we``, ``stride_wn``, ``stride_sn`` in words); the
+        shared rows read x from row XS0 on (0: the tokens' rows; P: rows of their own after the pairs')."""
         wait_prior(PDL)
         GATED: tl.constexpr = ACT == 0
         p = tl.program_id(0)
@@ -203,7 +204,7 @@ if triton is not None:
         sh, e, wg, wu, cg, cu, tok, n, stride_n, stride_c, out = _pair_operands(
             p, P, N, NS, IDX, WG, WU, CG, CU, SG, SU, SCG, SCU, OUT, stride_we, stride_wn, stride_ce, stride_cn,
             stride_sn, stride_scn, TOP_K)
-        tok = tok.to(tl.int64)
+        tok = (tok + tl.where(sh, XS0, 0)).to(tl.int64)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n
         ga = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
@@ -221,10 +222,11 @@ if triton is not None:
         tl.store(out + rows, _activation(g, u, OUT, ACT), mask=row_ok)
 
     @triton.jit
-    def _combine_sorted_kernel(Y, POS, TW, OUT, N, TOP_K: tl.constexpr, SORTED: tl.constexpr, BLOCK_N: tl.constexpr,
-                               PDL: tl.constexpr):
+    def _combine_sorted_kernel(Y, POS, TW, SL, OUT, P, N, TOP_K: tl.constexpr, SORTED: tl.constexpr,
+                               SHARED: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
         """Token t's output columns: its top-k expert rows, found in the expert-sorted Y at POS (in
-        pair order without SORTED), weighted by TW and summed in fp32 (k in order)."""
+        pair order without SORTED), weighted by TW and summed in fp32 (k in order); SHARED: plus
+        ``sigmoid(SL[t])`` times the shared expert's row, Y's row P + t."""
         wait_prior(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -236,6 +238,9 @@ if triton is not None:
             else:
                 row = t * TOP_K + j
             acc += tl.load(TW + t * TOP_K + j) * tl.load(Y + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+        if SHARED:
+            ys = tl.load(Y + (P + t) * N + cols, mask=ok, other=0.0).to(tl.float32)
+            acc += ys / (1.0 + tl.exp(-tl.load(SL + t)))
         tl.store(OUT + t * N + cols, acc.to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -496,9 +501,10 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
 
 def _pair_hfma_launch(x: torch.Tensor, g: KernelWeight, u: KernelWeight, sg: KernelWeight, su: KernelWeight,
                       idx: torch.Tensor, buf: torch.Tensor, top_k: int, act: int, Ts: int, Ns: int,
-                      launch: dict[str, int]) -> None:
-    """``_swiglu_launch``'s rows by ``_pair_hfma_kernel`` (every weight ``hfma_ready``) into ``buf``."""
-    T, K = x.shape
+                      launch: dict[str, int], shared_x_row: int = 0) -> None:
+    """``_swiglu_launch``'s rows by ``_pair_hfma_kernel`` (every weight ``hfma_ready``) into ``buf``;
+    the shared rows read x from row ``shared_x_row`` on."""
+    K = x.shape[1]
     P, N = idx.numel(), g.shape[1]
     (bn, bk), warps = hfma_tiles(act, P + Ts >= 32, K)
     # one stage: Triton's software pipelining would stage the tiles through shared memory (5x slower)
@@ -511,7 +517,7 @@ def _pair_hfma_launch(x: torch.Tensor, g: KernelWeight, u: KernelWeight, sg: Ker
     _pair_hfma_kernel[(P + Ts, triton.cdiv(max(N, Ns), cfg["BLOCK_N"]))](
         xw, inv, words(g), words(u), g.scale, u.scale, g.rows, u.rows, idx.contiguous(), words(sg), words(su),
         sg.scale, su.scale, sg.rows, su.rows, buf, P, N, Ns, K, we // 8, wn // 8, ce, cn, g.rows_stride(),
-        sg.weight.stride(-2) // 8, sg.scale.stride(-2), TOP_K=top_k, ACT=act, MASKED=masked, **cfg,
+        sg.weight.stride(-2) // 8, sg.scale.stride(-2), shared_x_row, TOP_K=top_k, ACT=act, MASKED=masked, **cfg,
         **e2m1_cvt(x.device), **pdl(x.device))
 
 
@@ -522,8 +528,10 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
     expert's down projection and gate, no separate GEMM). h [T * top_k, K]; down [E, N, K] in h's
     dtype or quantized (down_s in the same format); idx, top_w [T, top_k]. Returns [T, N] in h's
     dtype. ``launch`` as for ``swiglu_gemv``. Past ``MAX_FUSED_TOP_K`` experts a token and without a
-    shared expert: each pair's row by ``expert_gemv`` (``launch`` its tile), then ``combine_sorted``;
-    the same rounding (each expert's row to h's dtype, the weighted sum in fp32)."""
+    shared expert, and for a verify's rows (32 pairs or more) over NVFP4 experts where the f16x2 form
+    is the default (``HFMA`` in ``launch`` forces it on or off): each pair's row, and each token's
+    shared row, by the pair-wise GEMV (``launch`` its tile), then ``combine_sorted``; the same
+    rounding (each expert's row to h's dtype, the weighted sum in fp32)."""
     P, K = h.shape
     if top_k < 1 or P % top_k:
         raise ValueError(f"down_combine: h {tuple(h.shape)} must be [T * top_k, K] for top_k={top_k}")
@@ -540,8 +548,17 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
         if hs.shape[0] != T or ds.shape != (N, hs.shape[1]) or sl.numel() != T or ds.format != d.format:
             raise ValueError(f"down_combine: shared h {tuple(hs.shape)}, down {tuple(ds.shape)}, logit {tuple(sl.shape)} "
                              f"must be [{T}, Ks], [{N}, Ks] (unit stride on Ks, the routed format) and [{T}]")
+    launch = dict(launch)
+    hfma = launch.pop("HFMA", None)
+    ready = hfma_ready(d, h) and hfma_ready(ds, h) and (shared is None or shared[0].shape[1] == K)
+    if hfma and not ready:
+        raise ValueError(f"down_combine: HFMA=True needs NVFP4 weights (K a multiple of 32) against 16-bit h, the "
+                         f"shared h as wide as the routed one; got {h.dtype} h {tuple(h.shape)}"
+                         + ("" if shared is None else f", shared h {tuple(shared[0].shape)}"))
+    if hfma or hfma is None and ready and P + T >= 32 and hfma_default(h.device):
+        return _down_pairs(h, d, ds, idx, top_w, top_k, shared, launch)
     if shared is None and top_k > MAX_FUSED_TOP_K:
-        y = expert_gemv("down_combine", h, down, idx.reshape(-1), **launch)
+        y = expert_gemv("down_combine", h, down, idx.reshape(-1), **launch, **({} if hfma is None else {"HFMA": hfma}))
         return combine_sorted(y, None, top_w.reshape(T, top_k))
     out = torch.empty(T, N, device=h.device, dtype=h.dtype)
     if T:
@@ -555,6 +572,28 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
             ds.weight.stride(-2), ds.scale.stride(-2), TOP_K=top_k, TOP_K_P=triton.next_power_of_2(top_k),
             SHARED=shared is not None, FORMAT=d.format, **cfg, **e2m1_cvt(h.device), **pdl(h.device))
     return out
+
+
+def _down_pairs(h: torch.Tensor, d: KernelWeight, ds: KernelWeight, idx: torch.Tensor, top_w: torch.Tensor,
+                top_k: int, shared: tuple[torch.Tensor, Weight, torch.Tensor] | None,
+                launch: dict[str, int]) -> torch.Tensor:
+    """``down_combine`` by ``_pair_hfma_kernel`` (every weight ``hfma_ready``): the P pairs' rows and
+    the T shared rows (x: h, then the shared h) in one launch, then ``combine_sorted``."""
+    P, K = h.shape
+    T, N = P // top_k, d.shape[1]
+    x, Ts = h, 0
+    if shared is not None:
+        hs, Ts = shared[0], T
+        same = h.is_contiguous() and hs.is_contiguous() and h.dtype == hs.dtype and \
+            h.untyped_storage().data_ptr() == hs.untyped_storage().data_ptr() and \
+            hs.data_ptr() == h.data_ptr() + h.numel() * h.element_size()
+        # swiglu_gemv_with_shared's rows follow each other in one buffer: read them as one tensor, no copy
+        x = torch.as_strided(h, (P + T, K), (K, 1)) if same else torch.cat([h, hs])
+    buf = torch.empty((P + Ts) * N, device=h.device, dtype=h.dtype)
+    if P + Ts:
+        _pair_hfma_launch(x, d, d, ds, ds, idx.reshape(-1), buf, 1, LINEAR, Ts, N, launch, shared_x_row=P)
+    return combine_sorted(buf.view(P + Ts, N), None, top_w.reshape(T, top_k),
+                          shared_logit=None if shared is None else shared[2])
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -602,23 +641,29 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
 
 
 def combine_sorted(y_sorted: torch.Tensor, pos: torch.Tensor | None, top_w: torch.Tensor,
-                   block_n: int = 256) -> torch.Tensor:
+                   block_n: int = 256, shared_logit: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_k top_w[t, k] * y[t * top_k + k]`` (fp32, rounded once to y's dtype) where pair p's row
     ``y[p]`` is ``y_sorted[pos[p]]``: the grouped GEMM's expert-sorted output combined in one read,
     without scattering it back to pair order or widening it to fp32 first. y_sorted [P, N]; pos [P],
-    or None for rows already in pair order; top_w [T, top_k] fp32, P = T * top_k. Returns [T, N]."""
+    or None for rows already in pair order; top_w [T, top_k] fp32, P = T * top_k. With
+    ``shared_logit`` [T], y_sorted holds T more rows, the shared expert's, each added times
+    ``sigmoid(shared_logit[t])``. Returns [T, N]."""
     T, top_k = top_w.shape
-    P, N = y_sorted.shape
-    if P != T * top_k or (pos is not None and pos.shape != (P,)):
-        raise ValueError(f"combine_sorted: y_sorted {tuple(y_sorted.shape)} and pos "
-                         f"{None if pos is None else tuple(pos.shape)} must hold "
-                         f"the {T} x {top_k} pairs of top_w {tuple(top_w.shape)}")
+    P = T * top_k
+    rows, N = y_sorted.shape
+    if rows != P + (0 if shared_logit is None else T) or (pos is not None and pos.shape != (P,)) or (
+            shared_logit is not None and shared_logit.numel() != T):
+        raise ValueError(f"combine_sorted: y_sorted {tuple(y_sorted.shape)}, pos {None if pos is None else tuple(pos.shape)} "
+                         f"and shared_logit {None if shared_logit is None else tuple(shared_logit.shape)} must hold "
+                         f"the {T} x {top_k} pairs of top_w {tuple(top_w.shape)} (and {T} shared rows)")
     out = torch.empty(T, N, device=y_sorted.device, dtype=y_sorted.dtype)
     if T:
         y = y_sorted.contiguous()
+        sl = out if shared_logit is None else shared_logit.float().contiguous()
         _combine_sorted_kernel[(T, triton.cdiv(N, block_n))](y, y if pos is None else pos.contiguous(),
-                                                           top_w.float().contiguous(), out, N, TOP_K=top_k,
-                                                           SORTED=pos is not None, BLOCK_N=block_n, **pdl(out.device))
+                                                           top_w.float().contiguous(), sl, out, P, N, TOP_K=top_k,
+                                                           SORTED=pos is not None, SHARED=shared_logit is not None,
+                                                           BLOCK_N=block_n, **pdl(out.device))
     return out
 
 
