@@ -528,10 +528,9 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
     expert's down projection and gate, no separate GEMM). h [T * top_k, K]; down [E, N, K] in h's
     dtype or quantized (down_s in the same format); idx, top_w [T, top_k]. Returns [T, N] in h's
     dtype. ``launch`` as for ``swiglu_gemv``. Past ``MAX_FUSED_TOP_K`` experts a token and without a
-    shared expert, and for a verify's rows (32 pairs or more) over NVFP4 experts where the f16x2 form
-    is the default (``HFMA`` in ``launch`` forces it on or off): each pair's row, and each token's
-    shared row, by the pair-wise GEMV (``launch`` its tile), then ``combine_sorted``; the same
-    rounding (each expert's row to h's dtype, the weighted sum in fp32)."""
+    shared expert, or with ``HFMA=True`` in ``launch`` (NVFP4 experts): each pair's row, and each
+    token's shared row, by the pair-wise GEMV (``launch`` its tile), then ``combine_sorted``; the
+    same rounding (each expert's row to h's dtype, the weighted sum in fp32)."""
     P, K = h.shape
     if top_k < 1 or P % top_k:
         raise ValueError(f"down_combine: h {tuple(h.shape)} must be [T * top_k, K] for top_k={top_k}")
@@ -555,7 +554,9 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
         raise ValueError(f"down_combine: HFMA=True needs NVFP4 weights (K a multiple of 32) against 16-bit h, the "
                          f"shared h as wide as the routed one; got {h.dtype} h {tuple(h.shape)}"
                          + ("" if shared is None else f", shared h {tuple(shared[0].shape)}"))
-    if hfma or hfma is None and ready and P + T >= 32 and hfma_default(h.device):
+    # by pairs only where asked (HFMA=True) or past MAX_FUSED_TOP_K (below): not yet timed against the
+    # fused kernel on a GPU (tune_moe.py --forms hfma --cases down_combine_shared)
+    if hfma:
         return _down_pairs(h, d, ds, idx, top_w, top_k, shared, launch)
     if shared is None and top_k > MAX_FUSED_TOP_K:
         y = expert_gemv("down_combine", h, down, idx.reshape(-1), **launch, **({} if hfma is None else {"HFMA": hfma}))
