@@ -559,7 +559,7 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
     if hfma:
         return _down_pairs(h, d, ds, idx, top_w, top_k, shared, launch)
     if shared is None and top_k > MAX_FUSED_TOP_K:
-        y = expert_gemv("down_combine", h, down, idx.reshape(-1), **launch, **({} if hfma is None else {"HFMA": hfma}))
+        y = expert_gemv("down_combine", h, down, idx.reshape(-1), HFMA=hfma, **launch)
         return combine_sorted(y, None, top_w.reshape(T, top_k))
     out = torch.empty(T, N, device=h.device, dtype=h.dtype)
     if T:
