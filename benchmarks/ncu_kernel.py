@@ -7,7 +7,9 @@ the last (``--launch-skip 3 --launch-count 1``; CONTRIBUTING.md has the sections
 nemotron_up / nemotron_down: Nemotron-3-Super's NVFP4 latent experts at 8 tokens x 22 of 512
 (``relu2_gemv`` [2688, 1024], ``expert_gemv`` [1024, 2688]); q35_swiglu: the 35B's NVFP4 SwiGLU
 experts with the shared expert at 7 tokens x 8 of 256; fp8_in_proj: Nemotron-3-Super's Mamba
-in_proj [18560, 4096] in per-tensor FP8 for one token row (``skinny_linear``)."""
+in_proj [18560, 4096] in per-tensor FP8 (``skinny_linear``); nvfp4_in_proj: the 35B's GDN in_proj
+[12352, 2048] in NVFP4 (``skinny_linear``). The linears take ``--rows`` token rows (1: a draft step's;
+8: a verify's at d = 7)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def quantized(fmt: QuantFormat, *shape: int) -> QuantWeight:
     return QuantWeight(fmt, {s: torch.cat([p[s] for p in parts]) for s in parts[0]}, k)
 
 
-def launch(case: str):
+def launch(case: str, rows: int):
     torch.manual_seed(0)
     nv = FORMATS["nvfp4"]()
     if case.startswith("nemotron"):
@@ -49,14 +51,17 @@ def launch(case: str):
         gate_up, sg, su = quantized(nv, E, 2 * inter, H), quantized(nv, inter, H), quantized(nv, inter, H)
         gate, up = gate_up.rows(slice(0, inter)), gate_up.rows(slice(inter, 2 * inter))
         return lambda: swiglu_gemv_with_shared(x, gate, up, idx, k, sg, su)
-    w, x = quantized(FP8Tensor(), 18560, 4096), torch.randn(1, 4096, device=DEV, dtype=DT)
+    n, k, fmt = (18560, 4096, FP8Tensor()) if case == "fp8_in_proj" else (12352, 2048, nv)
+    w, x = quantized(fmt, n, k), torch.randn(rows, k, device=DEV, dtype=DT)
     return lambda: skinny_linear(x, w)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("case", choices=("nemotron_up", "nemotron_down", "q35_swiglu", "fp8_in_proj"))
-    fn = launch(ap.parse_args().case)
+    ap.add_argument("case", choices=("nemotron_up", "nemotron_down", "q35_swiglu", "fp8_in_proj", "nvfp4_in_proj"))
+    ap.add_argument("--rows", type=int, default=1, help="token rows of the linears' input")
+    a = ap.parse_args()
+    fn = launch(a.case, a.rows)
     for _ in range(4):
         fn()
     torch.cuda.synchronize()

@@ -501,12 +501,13 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
 
 def _pair_hfma_launch(x: torch.Tensor, g: KernelWeight, u: KernelWeight, sg: KernelWeight, su: KernelWeight,
                       idx: torch.Tensor, buf: torch.Tensor, top_k: int, act: int, Ts: int, Ns: int,
-                      launch: dict[str, int], shared_x_row: int = 0) -> None:
+                      launch: dict[str, int], shared_x_row: int = 0,
+                      tiles: tuple[tuple[int, int], int] | None = None) -> None:
     """``_swiglu_launch``'s rows by ``_pair_hfma_kernel`` (every weight ``hfma_ready``) into ``buf``;
-    the shared rows read x from row ``shared_x_row`` on."""
+    the shared rows read x from row ``shared_x_row`` on. ``tiles`` replaces ``hfma_tiles``' default."""
     K = x.shape[1]
     P, N = idx.numel(), g.shape[1]
-    (bn, bk), warps = hfma_tiles(act, P + Ts >= 32, K)
+    (bn, bk), warps = tiles or hfma_tiles(act, P + Ts >= 32, K)
     # one stage: Triton's software pipelining would stage the tiles through shared memory (5x slower)
     cfg = {"BLOCK_N": launch_tile(bn, max(N, Ns)), "BLOCK_K": max(32, launch_tile(bk, K, 512)), "num_warps": warps,
            "num_stages": 1, **launch}
@@ -528,9 +529,10 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
     expert's down projection and gate, no separate GEMM). h [T * top_k, K]; down [E, N, K] in h's
     dtype or quantized (down_s in the same format); idx, top_w [T, top_k]. Returns [T, N] in h's
     dtype. ``launch`` as for ``swiglu_gemv``. Past ``MAX_FUSED_TOP_K`` experts a token and without a
-    shared expert, or with ``HFMA=True`` in ``launch`` (NVFP4 experts): each pair's row, and each
-    token's shared row, by the pair-wise GEMV (``launch`` its tile), then ``combine_sorted``; the
-    same rounding (each expert's row to h's dtype, the weighted sum in fp32)."""
+    shared expert, or by pairs (``_down_pairs``, NVFP4 experts: ``HFMA=True`` in ``launch``, or by
+    default with the f16x2 form for 32 rows or more): each pair's row, and each token's shared row, by
+    the pair-wise GEMV (``launch`` its tile), then ``combine_sorted``; the same rounding (each
+    expert's row to h's dtype, the weighted sum in fp32)."""
     P, K = h.shape
     if top_k < 1 or P % top_k:
         raise ValueError(f"down_combine: h {tuple(h.shape)} must be [T * top_k, K] for top_k={top_k}")
@@ -554,9 +556,11 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
         raise ValueError(f"down_combine: HFMA=True needs NVFP4 weights (K a multiple of 32) against 16-bit h, the "
                          f"shared h as wide as the routed one; got {h.dtype} h {tuple(h.shape)}"
                          + ("" if shared is None else f", shared h {tuple(shared[0].shape)}"))
-    # by pairs only where asked (HFMA=True) or past MAX_FUSED_TOP_K (below): not yet timed against the
-    # fused kernel on a GPU (tune_moe.py --forms hfma --cases down_combine_shared)
-    if hfma:
+    # by pairs for a verify's rows: on an H100 (tune_moe.py --quantize nvfp4 --forms hfma --cases
+    # down_combine_shared, h100/tuning/tune_moe_nvfp4_down_pairs_*.json) the 35B's 7 tokens with the
+    # shared expert 18.2 us against the fused kernel's 35.1, the 122B's 8 tokens 46.2 against 119.1
+    rows = P + (0 if shared is None else T)
+    if hfma or hfma is None and ready and rows >= 32 and hfma_default(h.device):
         return _down_pairs(h, d, ds, idx, top_w, top_k, shared, launch)
     if shared is None and top_k > MAX_FUSED_TOP_K:
         y = expert_gemv("down_combine", h, down, idx.reshape(-1), HFMA=hfma, **launch)
@@ -579,7 +583,9 @@ def _down_pairs(h: torch.Tensor, d: KernelWeight, ds: KernelWeight, idx: torch.T
                 top_k: int, shared: tuple[torch.Tensor, Weight, torch.Tensor] | None,
                 launch: dict[str, int]) -> torch.Tensor:
     """``down_combine`` by ``_pair_hfma_kernel`` (every weight ``hfma_ready``): the P pairs' rows and
-    the T shared rows (x: h, then the shared h) in one launch, then ``combine_sorted``."""
+    the T shared rows (x: h, then the shared h) in one launch, then ``combine_sorted``. Tiles 16 x 256
+    at two warps: the best of the sweep above for both models (the linear pairs' default 8 x 512 at
+    one warp took 23.1 / 46.6 us)."""
     P, K = h.shape
     T, N = P // top_k, d.shape[1]
     x, Ts = h, 0
@@ -592,7 +598,8 @@ def _down_pairs(h: torch.Tensor, d: KernelWeight, ds: KernelWeight, idx: torch.T
         x = torch.as_strided(h, (P + T, K), (K, 1)) if same else torch.cat([h, hs])
     buf = torch.empty((P + Ts) * N, device=h.device, dtype=h.dtype)
     if P + Ts:
-        _pair_hfma_launch(x, d, d, ds, ds, idx.reshape(-1), buf, 1, LINEAR, Ts, N, launch, shared_x_row=P)
+        _pair_hfma_launch(x, d, d, ds, ds, idx.reshape(-1), buf, 1, LINEAR, Ts, N, launch, shared_x_row=P,
+                          tiles=((16, 256), 2))
     return combine_sorted(buf.view(P + Ts, N), None, top_w.reshape(T, top_k),
                           shared_logit=None if shared is None else shared[2])
 
