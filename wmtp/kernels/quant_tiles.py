@@ -355,7 +355,13 @@ if triton is not None:
         value times its fp8 scale has at most 6 significant bits, an fp8 value 4, all inside fp16's
         range), and a 16-bit X's step scaled into fp16 by a power of 2 per row (``f16_rows``; an
         fp32 X multiplies the fp32 weights); FP8's block scale (BLOCK_K divides 128) multiplies the
-        step's dot. ``sc``: the step's ``tile_scales``. NVFP4's second level: not here."""
+        step's dot. ``sc``: the step's ``tile_scales``. NVFP4's second level: not here.
+
+        NVFP4 (``acc`` its transpose, [len(cols), len(ts)]): the weight is the dot's first operand, which
+        Hopper's wgmma reads from registers where it is decoded (the second comes from shared memory,
+        so the decoded weight would pass through it), and its bytes load as [cols, bytes] tiles, a
+        row's bytes across neighbouring threads (a [cols, groups, 8] load put the threads along the
+        rows: ncu counted 68% of the sectors in excess, ``h100/tuning/ncu_skinny_linear_nvfp4_rows8.txt``)."""
         BN: tl.constexpr = cols.shape[0]
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -369,9 +375,10 @@ if triton is not None:
         F32X: tl.constexpr = X.dtype.element_ty == tl.float32  # fp32 x: fp32 dots over the exact weights
         if FORMAT == 1:
             G: tl.constexpr = BLOCK_K // 16
-            g = tl.arange(0, G)
-            kb = k0 // 2 + g[:, None] * 8 + tl.arange(0, 8)[None, :]
-            b = tl.load(W + cols[:, None, None] * stride_wn + kb, mask=col_ok[:, None, None] & (kb < K // 2), other=0)
+            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            b = tl.load(W + cols[:, None] * stride_wn + kb[None, :], mask=col_ok[:, None] & (kb < K // 2)[None, :],
+                        other=0)
+            b = tl.reshape(b, (BN, G, 8))
             lo, hi = e2m1_scaled_f16(b, tl.broadcast_to(sc[:, :, None], (BN, G, 8)), CVT)
             wv = tl.reshape(tl.join(lo, hi), (BN, BLOCK_K))  # input 2j + 1 beside 2j: K's own order
         else:
@@ -383,11 +390,16 @@ if triton is not None:
             xs, down = f16_rows(xv)
         if F32X or WIDEN:
             xs, wv = xs.to(tl.float32), wv.to(tl.float32)
-        part = tl.dot(xs, tl.trans(wv), input_precision=PREC)
-        if not F32X:
-            part = part * down
-        if FORMAT == 2:
-            part = part * sc[None, :]
+        if FORMAT == 1:
+            part = tl.dot(wv, tl.trans(xs), input_precision=PREC)
+            if not F32X:
+                part = part * tl.trans(down)
+        else:
+            part = tl.dot(xs, tl.trans(wv), input_precision=PREC)
+            if not F32X:
+                part = part * down
+            if FORMAT == 2:
+                part = part * sc[None, :]
         return acc + part
 
     @triton.jit
