@@ -45,7 +45,7 @@ def cases() -> dict[str, tuple]:
             {**LINEAR_TYPES, "W": w, "S": s},
             dict(FORMAT=code, HAS_BIAS=True, SPLITS=splits, WIDEN=False, PREC="tf32", T_P=16, BLOCK_N=tiles.block_n,
                  BLOCK_K=tiles.block_k, CVT=cvt, GEMV=False, PDL=True),
-            {"num_warps": tiles.num_warps})
+            {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
     # the one-row FMA path (LinearTiles.gemv): NVFP4's default (4 warps), FP8's up to 4096 outputs (32 x 128, 8 warps)
     for (fmt, cvt), (bn, bk) in itertools.product(CVT, ((8, 256), (16, 256), (32, 128))):
         code, w, s = QUANT_FORMATS[fmt]

@@ -154,13 +154,20 @@ def quant_tiles(rows: int, n: int, k: int, fmt: int) -> LinearTiles:
     2048 x 4096 6.3, 3072 x 8192 12.8, 3072 x 6144 10.4, 3072 x 1024 4.2; the 35B's at the tensor-core
     tiles below took 18.7 / 19.3 / 9.6 us for 9216 x 2048 / 12352 x 2048 / 2048 x 4096.
 
-    Otherwise (more rows: the FMA path over a verify's 7 rows, each weight value dequantized once for
+    More rows of NVFP4 (the FMA path over a verify's 7 rows, each weight value dequantized once for
     all of them, took 2.2-3.0x the tensor-core tiles' time on the 35B's projections at 5b250f6,
-    ``h100/tuning/tune_linear_nvfp4_fma_rows.json``): K steps of 128 inputs; columns in blocks of 32
+    ``h100/tuning/tune_linear_nvfp4_fma_rows.json``): 64-wide column blocks, K steps of 256, one stage
+    (Triton's pipelining stages these tiles through shared memory: 2-3 stages took 1.1-1.6x as long),
+    as many K splits (8, 4, 2) as keep the launch within 800 programs. At 8 rows on an H100 at 495c93a
+    (``h100/tuning/tune_linear_nvfp4_verify_layouts.json``) the sweep's best of 24 tiles for the 35B's
+    12352 x 2048 / 9216 x 2048 / 2048 x 4096: 15.0 / 12.6 / 8.1 us (the tiles before, 128 x 128 in 4 / 4
+    / 8 splits and 3 stages: 17.7 / 16.8 / 8.1; b18c8bb's kernel at its tiles 19.3 / 19.3 / 9.3).
+
+    FP8 (more rows, or one row past 4096 outputs): K steps of 128 inputs; columns in blocks of 32
     up to 1024 outputs, 64 up to 4096, 128 above; as many K splits (8, 4, 2) as keep the launch within
     600 programs (at 3e78b3e, 1 / 7 rows: 2048 x 4096 at 64 x 128 in 8 splits 9.4 / 9.3 us; 9216 x 2048
     at 128 x 128 in 8 splits 18.9 / 19.2 us and 12352 x 2048 in 4 splits 19.4 / 19.1 us, against
-    21.0 / 21.1 and 23.7 / 23.6 at 64-wide blocks). FP8 keeps these: over Nemotron-3-Super's FP8
+    21.0 / 21.1 and 23.7 / 23.6 at 64-wide blocks, NVFP4 then). Over Nemotron-3-Super's FP8
     projections the sweep's best was 0-23% faster (1.3 us at most), at a different tile per shape
     (``h100/tuning/tune_linear_fp8_nemotron.json``). One FP8 row of up to 4096 outputs takes the FMA
     path in 32-wide blocks at 8 warps (the splits as above), on an H100 faster than those tiles over
@@ -170,11 +177,17 @@ def quant_tiles(rows: int, n: int, k: int, fmt: int) -> LinearTiles:
     if rows == 1 and fmt == NVFP4_CODE:
         splits = 2 if n >= 8192 else 4
         return LinearTiles(8, 512 if k == 4096 else 256, max(1, min(splits, k // 256)), 4, gemv=True)
+    if fmt == NVFP4_CODE:
+        return LinearTiles(64, 256, _splits(-(-n // 64), 800, k // 256), 4, 1)
     fp8_gemv = rows == 1 and fmt == FP8_CODE and n <= 4096
     block_n = 32 if n <= 1024 or fp8_gemv else 64 if n <= 4096 else 128
-    blocks = -(-n // block_n)
-    splits = next(s for s in (8, 4, 2, 1) if s == 1 or blocks * s <= 600)
-    return LinearTiles(block_n, 128, max(1, min(splits, k // 128)), 8 if fp8_gemv else 4, gemv=fp8_gemv)
+    return LinearTiles(block_n, 128, _splits(-(-n // block_n), 600, k // 128), 8 if fp8_gemv else 4, gemv=fp8_gemv)
+
+
+def _splits(blocks: int, programs: int, steps: int) -> int:
+    """As many K splits (8, 4, 2) as keep ``blocks`` column blocks within ``programs`` programs, at
+    most ``steps`` (one K step a split at least)."""
+    return max(1, min(next(s for s in (8, 4, 2, 1) if s == 1 or blocks * s <= programs), steps))
 
 
 def dot_flags(dtype: torch.dtype) -> dict[str, object]:
