@@ -136,6 +136,33 @@ def test_down_combine_by_pairs_matches_the_fused_kernel(shared):
         down_combine(h, down, idx, top_w, top_k, (h_s[:, :32], _linear(fmt, H, 32, 34), logit), HFMA=True)
 
 
+@pytest.mark.parametrize("T, top_k, pairs", [(4, 7, True), (4, 3, False)])
+def test_down_combine_takes_pairs_for_a_verifys_rows(monkeypatch, T, top_k, pairs):
+    """Where the f16x2 form is the default (forced here: the interpreter's is off), ``down_combine``
+    goes by pairs for 32 rows or more (pairs and shared rows: 4 x 7 + 4) and keeps the fused kernel
+    below (4 x 3 + 4); both agree with the reference."""
+    import wmtp.kernels.moe as moe
+
+    fmt, E, H, inter = NVFP4(), 9, 48, 64
+    down, down_s = _experts(fmt, [(H, inter)], E, seed=41), _linear(fmt, H, inter, 42)
+    g = torch.Generator().manual_seed(43)
+    h = torch.randn(T * top_k, inter, generator=g).to(DEVICE, torch.bfloat16)
+    h_s = torch.randn(T, inter, generator=g).to(DEVICE, torch.bfloat16)
+    idx = torch.randint(0, E, (T, top_k), generator=g).to(DEVICE)
+    top_w, logit = torch.rand(T, top_k, generator=g).to(DEVICE), torch.randn(T, generator=g).to(DEVICE)
+    calls = []
+    real = moe._down_pairs
+    monkeypatch.setattr(moe, "hfma_default", lambda device: True)
+    monkeypatch.setattr(moe, "_down_pairs", lambda *a: calls.append(a) or real(*a))
+    got = down_combine(h, down, idx, top_w, top_k, (h_s, down_s, logit))
+    assert bool(calls) == pairs
+    F = torch.nn.functional
+    want = torch.stack([sum(top_w[t, j] * F.linear(h[t * top_k + j], down[int(idx[t, j])].dequantize(torch.bfloat16)).float()
+                            for j in range(top_k)) for t in range(T)])
+    want = want + torch.sigmoid(logit)[:, None] * F.linear(h_s, down_s.dequantize(torch.bfloat16)).float()
+    assert _close(got, want.to(torch.bfloat16))
+
+
 def test_hfma_form_rows_beyond_fp16s_range():
     """x_groups scales each token row by a power of 2: rows of 1e6 (past fp16's 65504) and 1e-6
     (below its normals) come out of the f16x2 form as exact as a row of 1, each to its own size."""
