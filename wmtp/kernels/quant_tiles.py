@@ -333,10 +333,10 @@ if triton is not None:
     def tile_scales(S, s_rows, row_ok, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
         """The scales of K step ``[k0, k0 + BLOCK_K)`` for the weight rows at offsets ``s_rows`` into
         S: NVFP4's group scales times 64 as fp16 [rows, BLOCK_K / 16] (e2m1 values decode / 64),
-        FP8's block scale [rows] (fp32), nothing for float weights. ``split_dot`` loads them a step
-        ahead: the scales are single bytes (no asynchronous copy takes them), and an NVFP4 tile
-        cannot dequantize before its scales arrive, so a load in the step itself left the memory
-        latency in every step."""
+        FP8's block scale [rows] (fp32), nothing for float weights. ``split_dot`` loads FP8's a step
+        ahead (a load in the step itself left the memory latency in every step) and NVFP4's in the
+        step: carried from the step before, they fixed the decoded tile's register layout to theirs,
+        and the tile then reached the dot through shared memory."""
         if FORMAT == 1:
             gs = k0 // 16 + tl.arange(0, BLOCK_K // 16)
             return tl.load(S + tl.expand_dims(s_rows, -1) + gs, mask=tl.expand_dims(row_ok, -1) & (gs < K // 16),
