@@ -30,8 +30,9 @@ SHAPES = [("o_proj / out_proj / mtp fc", 2048, 4096, GRID_DEEP),
 
 # quantized weights (--quantize): (block_n, block_k, splits, num_warps, num_stages), K steps the
 # format allows (FP8: within a 128-input scale block)
-# and, at one row, the FMA candidate (LinearTiles.gemv) over narrower blocks
-QUANT_GRIDS = {"nvfp4": list(itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8), (4, 8), (3,), (False,)))
+# and, at one row, the FMA candidate (LinearTiles.gemv) over narrower blocks. NVFP4's tensor-core form
+# (the weight the dot's first operand) at one or two stages: three took 1.1-1.6x as long at K steps of 256
+QUANT_GRIDS = {"nvfp4": list(itertools.product((64, 128), (128, 256), (2, 4, 8), (4, 8), (1, 2), (False,)))
                + list(itertools.product((8, 16, 32), (128, 256, 512), (2, 4, 8), (4, 8), (3,), (True,))),
                "fp8": list(itertools.product((32, 64, 128), (64, 128), (1, 2, 4, 8), (4, 8), (3,), (False,)))
                + list(itertools.product((8, 16, 32), (64, 128), (2, 4, 8), (4, 8), (3,), (True,)))}
