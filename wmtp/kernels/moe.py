@@ -368,12 +368,17 @@ def pair_tiles(fmt: int, act: int, big: bool, k: int) -> tuple[tuple[int, int], 
 def hfma_tiles(act: int, big: bool, k: int) -> tuple[tuple[int, int], int]:
     """``_pair_hfma_kernel``'s default ((BLOCK_N, BLOCK_K), num_warps) for activation ``act``, ``big``
     (a verify's 32 or more rows of pairs) and ``k`` inputs. A verify's: one warp over 8 rows, K steps
-    of 1024 (SwiGLU) or 512; a token's: two warps, K steps of 512, over 4 rows for two weight tiles a
+    of 1024 (SwiGLU) or 512, but ungated rows of up to 1024 inputs (``down_combine``'s pairs) two warps
+    over 16 rows, K steps of 256; a token's: two warps, K steps of 512, over 4 rows for two weight tiles a
     step (SwiGLU) or long rows, 8 otherwise. On an H100 over weights read from HBM, with ``x_groups``
     (h100/tuning/tune_moe_nvfp4_hfma_*.json, the sweep's best or within 2%): the 35B's SwiGLU with
     its shared expert 8.2 / 27.7 us at 1 / 7 tokens, the 122B's 15.5 / 69.7; Nemotron-3-Super's 22
     latent experts, up 16.8 / 89.2 at 1 / 8 tokens, down 20.4 / 97.7 (the fp32 forms' defaults in the
-    same runs: 10.4 / 47.0, 21.3 / 122.7, 26.8 / 186.3, 29.8 / 181.8)."""
+    same runs: 10.4 / 47.0, 21.3 / 122.7, 26.8 / 186.3, 29.8 / 181.8). ``down_combine``'s pairs with
+    the shared rows (h100/tuning/tune_moe_nvfp4_down_pairs_*.json): the 35B's 7 tokens 18.2 us at
+    16 x 256 against 23.1 at 8 x 512 on one warp, the 122B's 8 tokens 46.2 against 46.6."""
+    if big and act == LINEAR and k <= 1024:
+        return (16, 256), 2
     if big:
         return (8, 1024 if act == SWIGLU else 512), 1
     return ((8 if act != SWIGLU and k <= 1024 else 4), 512), 2
@@ -501,13 +506,12 @@ def _swiglu_launch(name: str, x: torch.Tensor, w_gate: Weight, w_up: Weight, idx
 
 def _pair_hfma_launch(x: torch.Tensor, g: KernelWeight, u: KernelWeight, sg: KernelWeight, su: KernelWeight,
                       idx: torch.Tensor, buf: torch.Tensor, top_k: int, act: int, Ts: int, Ns: int,
-                      launch: dict[str, int], shared_x_row: int = 0,
-                      tiles: tuple[tuple[int, int], int] | None = None) -> None:
+                      launch: dict[str, int], shared_x_row: int = 0) -> None:
     """``_swiglu_launch``'s rows by ``_pair_hfma_kernel`` (every weight ``hfma_ready``) into ``buf``;
-    the shared rows read x from row ``shared_x_row`` on. ``tiles`` replaces ``hfma_tiles``' default."""
+    the shared rows read x from row ``shared_x_row`` on."""
     K = x.shape[1]
     P, N = idx.numel(), g.shape[1]
-    (bn, bk), warps = tiles or hfma_tiles(act, P + Ts >= 32, K)
+    (bn, bk), warps = hfma_tiles(act, P + Ts >= 32, K)
     # one stage: Triton's software pipelining would stage the tiles through shared memory (5x slower)
     cfg = {"BLOCK_N": launch_tile(bn, max(N, Ns)), "BLOCK_K": max(32, launch_tile(bk, K, 512)), "num_warps": warps,
            "num_stages": 1, **launch}
@@ -583,9 +587,7 @@ def _down_pairs(h: torch.Tensor, d: KernelWeight, ds: KernelWeight, idx: torch.T
                 top_k: int, shared: tuple[torch.Tensor, Weight, torch.Tensor] | None,
                 launch: dict[str, int]) -> torch.Tensor:
     """``down_combine`` by ``_pair_hfma_kernel`` (every weight ``hfma_ready``): the P pairs' rows and
-    the T shared rows (x: h, then the shared h) in one launch, then ``combine_sorted``. Tiles 16 x 256
-    at two warps: the best of the sweep above for both models (the linear pairs' default 8 x 512 at
-    one warp took 23.1 / 46.6 us)."""
+    the T shared rows (x: h, then the shared h) in one launch, then ``combine_sorted``."""
     P, K = h.shape
     T, N = P // top_k, d.shape[1]
     x, Ts = h, 0
@@ -598,8 +600,7 @@ def _down_pairs(h: torch.Tensor, d: KernelWeight, ds: KernelWeight, idx: torch.T
         x = torch.as_strided(h, (P + T, K), (K, 1)) if same else torch.cat([h, hs])
     buf = torch.empty((P + Ts) * N, device=h.device, dtype=h.dtype)
     if P + Ts:
-        _pair_hfma_launch(x, d, d, ds, ds, idx.reshape(-1), buf, 1, LINEAR, Ts, N, launch, shared_x_row=P,
-                          tiles=((16, 256), 2))
+        _pair_hfma_launch(x, d, d, ds, ds, idx.reshape(-1), buf, 1, LINEAR, Ts, N, launch, shared_x_row=P)
     return combine_sorted(buf.view(P + Ts, N), None, top_w.reshape(T, top_k),
                           shared_logit=None if shared is None else shared[2])
 
