@@ -194,6 +194,10 @@ def test_combine_sorted_matches_scatter_then_sum(dtype):
     assert got.dtype == dtype and _close(got, want)
     with pytest.raises(ValueError, match="combine_sorted: y_sorted"):
         combine_sorted(y_sorted[:-1], pos[:-1], top_w)
+    with pytest.raises(ValueError, match=r"combine_sorted: .* shared_logit \(\d+,\) must hold .* shared rows"):
+        combine_sorted(y_sorted, pos, top_w, shared_logit=torch.zeros(T, device=DEVICE))  # no shared rows in y
+    with pytest.raises(ValueError, match=r"shared_logit \(1,\)"):
+        combine_sorted(torch.cat([y_sorted, y_sorted[:T]]), pos, top_w, shared_logit=torch.zeros(1, device=DEVICE))
 
 
 def test_shape_errors_name_the_tensors():
