@@ -136,14 +136,14 @@ def test_down_combine_by_pairs_matches_the_fused_kernel(shared):
         down_combine(h, down, idx, top_w, top_k, (h_s[:, :32], _linear(fmt, H, 32, 34), logit), HFMA=True)
 
 
-@pytest.mark.parametrize("T, top_k, pairs", [(4, 7, True), (4, 3, False)])
-def test_down_combine_takes_pairs_for_a_verifys_rows(monkeypatch, T, top_k, pairs):
+@pytest.mark.parametrize("T, top_k, fmt, pairs", [(4, 7, NVFP4(), True), (1, 3, NVFP4(), True), (2, 3, FP8Block(), False)])
+def test_down_combine_takes_pairs_where_the_f16x2_form_is(monkeypatch, T, top_k, fmt, pairs):
     """Where the f16x2 form is the default (forced here: the interpreter's is off), ``down_combine``
-    goes by pairs for 32 rows or more (pairs and shared rows: 4 x 7 + 4) and keeps the fused kernel
-    below (4 x 3 + 4); both agree with the reference."""
+    goes by pairs over NVFP4 experts at a verify's rows and a token's, and keeps the fused kernel
+    over FP8 ones; both agree with the reference."""
     import wmtp.kernels.moe as moe
 
-    fmt, E, H, inter = NVFP4(), 9, 48, 64
+    E, H, inter = 9, 48, 64
     down, down_s = _experts(fmt, [(H, inter)], E, seed=41), _linear(fmt, H, inter, 42)
     g = torch.Generator().manual_seed(43)
     h = torch.randn(T * top_k, inter, generator=g).to(DEVICE, torch.bfloat16)

@@ -534,7 +534,7 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
     dtype or quantized (down_s in the same format); idx, top_w [T, top_k]. Returns [T, N] in h's
     dtype. ``launch`` as for ``swiglu_gemv``. Past ``MAX_FUSED_TOP_K`` experts a token and without a
     shared expert, or by pairs (``_down_pairs``, NVFP4 experts: ``HFMA=True`` in ``launch``, or by
-    default with the f16x2 form for 32 rows or more): each pair's row, and each token's shared row, by
+    default where the f16x2 form is): each pair's row, and each token's shared row, by
     the pair-wise GEMV (``launch`` its tile), then ``combine_sorted``; the same rounding (each
     expert's row to h's dtype, the weighted sum in fp32)."""
     P, K = h.shape
@@ -560,11 +560,12 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
         raise ValueError(f"down_combine: HFMA=True needs NVFP4 weights (K a multiple of 32) against 16-bit h, the "
                          f"shared h as wide as the routed one; got {h.dtype} h {tuple(h.shape)}"
                          + ("" if shared is None else f", shared h {tuple(shared[0].shape)}"))
-    # by pairs for a verify's rows: on an H100 (tune_moe.py --quantize nvfp4 --forms hfma --cases
-    # down_combine_shared, h100/tuning/tune_moe_nvfp4_down_pairs_*.json) the 35B's 7 tokens with the
-    # shared expert 18.2 us against the fused kernel's 35.1, the 122B's 8 tokens 46.2 against 119.1
-    rows = P + (0 if shared is None else T)
-    if hfma or hfma is None and ready and rows >= 32 and hfma_default(h.device):
+    # by pairs: on an H100 (tune_moe.py --quantize nvfp4 --forms hfma --cases down_combine_shared,
+    # h100/tuning/tune_moe_nvfp4_down_pairs_*.json) the 35B's 7 tokens with the shared expert 18.2 us
+    # against the fused kernel's 35.1, the 122B's 8 tokens 46.2 against 119.1; a token of the 35B's
+    # 6.6 against 10.5 (the fused kernel's [top_k, rows, groups, 8] byte tile puts a warp's threads
+    # along experts and rows, 8 bytes each)
+    if hfma or hfma is None and ready and hfma_default(h.device):
         return _down_pairs(h, d, ds, idx, top_w, top_k, shared, launch)
     if shared is None and top_k > MAX_FUSED_TOP_K:
         y = expert_gemv("down_combine", h, down, idx.reshape(-1), HFMA=hfma, **launch)
