@@ -562,9 +562,9 @@ def down_combine(h: torch.Tensor, down: Weight, idx: torch.Tensor, top_w: torch.
                          + ("" if shared is None else f", shared h {tuple(shared[0].shape)}"))
     # by pairs: on an H100 (tune_moe.py --quantize nvfp4 --forms hfma --cases down_combine_shared,
     # h100/tuning/tune_moe_nvfp4_down_pairs_*.json) the 35B's 7 tokens with the shared expert 18.2 us
-    # against the fused kernel's 35.1, the 122B's 8 tokens 46.2 against 119.1; a token of the 35B's
-    # 6.6 against 10.5 (the fused kernel's [top_k, rows, groups, 8] byte tile puts a warp's threads
-    # along experts and rows, 8 bytes each)
+    # against the fused kernel's 35.1, the 122B's 8 tokens 46.2 against 119.1; a token 6.6 against
+    # 10.5 (35B) and 11.2 against 22.5 (122B; *_down_pairs_token_*.json): the fused kernel's
+    # [top_k, rows, groups, 8] byte tile puts a warp's threads along experts and rows, 8 bytes each
     if hfma or hfma is None and ready and hfma_default(h.device):
         return _down_pairs(h, d, ds, idx, top_w, top_k, shared, launch)
     if shared is None and top_k > MAX_FUSED_TOP_K:
