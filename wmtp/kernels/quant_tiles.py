@@ -19,7 +19,7 @@ linears' tensor-core dot: the weight tile dequantized exactly to fp16 (``e2m1_sc
 x scaled into fp16 by a power of 2 per row (``f16_rows``). e2m1 codes decode by bit placement, not
 by a table or exp2: on GPUs of compute capability 8.9+ (``e2m1_cvt``) into e4m3 bytes that one
 instruction converts two at a time (``e2m1_pairs``, ``e2m1_scaled_f16``), elsewhere into fp16 bits
-(``e2m1_values``). ``hfma_step`` is a K step of the pair-wise MoE GEMV over NVFP4 weights against
+(``_e2m1_f16``). ``hfma_step`` is a K step of the pair-wise MoE GEMV over NVFP4 weights against
 16-bit x by f16x2 FMAs, x laid out in fp16 beforehand (``x_groups``).
 """
 
@@ -186,11 +186,6 @@ if triton is not None:
         c = codes.to(tl.uint16)
         bits = ((c & 7) << 9) | ((c & 8) << 12)
         return bits.to(tl.float16, bitcast=True).to(tl.float32)
-
-    @triton.jit
-    def e2m1_values(codes):
-        """e2m1 codes -> their fp32 values."""
-        return _e2m1_f16(codes) * 16384.0
 
     @triton.jit
     def e2m1_pairs(b, CVT: tl.constexpr):
@@ -482,17 +477,22 @@ if triton is not None:
 
     @triton.jit
     def _dequantize_kernel(W, S, R, OUT, K, stride_w, stride_s, FORMAT: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        """OUT[r, k] = value(r, k) * group scale (* NVFP4's row scale), in the twin's order and dtype."""
+                           BLOCK_K: tl.constexpr, CVT: tl.constexpr, PDL: tl.constexpr):
+        """OUT[r, k] = value(r, k) * group scale (* NVFP4's row scale), in the twin's order and dtype.
+        NVFP4: each packed byte loaded once, its two values decoded together (``e2m1_pairs``) and
+        interleaved back into K's order."""
         wait_prior(PDL)
         rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         m = (ks < K)[None, :]
         if FORMAT == 1:
-            b = tl.load(W + rows[:, None] * stride_w + ks[None, :] // 2, mask=m, other=0)
-            v = e2m1_values(tl.where(ks[None, :] % 2 == 0, b & 15, b >> 4))
-            v = v * tl.load(S + rows[:, None] * stride_s + ks[None, :] // 16, mask=m, other=0.0).to(tl.float32)
-            v = v * tl.load(R + rows)[:, None]
+            bs = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+            mb = (bs < K // 2)[None, :]
+            b = tl.load(W + rows[:, None] * stride_w + bs[None, :], mask=mb, other=0)
+            s = tl.load(S + rows[:, None] * stride_s + bs[None, :] // 8, mask=mb, other=0.0).to(tl.float32)
+            r = tl.load(R + rows)[:, None]
+            lo, hi = e2m1_pairs(b, CVT)  # the values / 64: times 64 exact, then the twin's products
+            v = tl.interleave(lo * 64.0 * s * r, hi * 64.0 * s * r)
         else:
             v = tl.load(W + rows[:, None] * stride_w + ks[None, :], mask=m, other=0.0).to(tl.float32)
             v = v * tl.load(S + rows[:, None] * stride_s + ks[None, :] // 128, mask=m, other=0.0)
@@ -514,7 +514,7 @@ def dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
         _dequantize_kernel[(rows // block_r, triton.cdiv(kw.k, 512))](
             flat["w"], flat["s"], kw.rows.reshape(rows) if kw.format == NVFP4_CODE else flat["s"], out, kw.k,
             flat["w"].stride(0), flat["s"].stride(0),
-            FORMAT=kw.format, BLOCK_R=block_r, BLOCK_K=512, **pdl(kw.weight.device))
+            FORMAT=kw.format, BLOCK_R=block_r, BLOCK_K=512, **e2m1_cvt(kw.weight.device), **pdl(kw.weight.device))
     return out
 
 
