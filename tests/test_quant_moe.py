@@ -206,7 +206,7 @@ def test_e2m1_through_e4m3_equals_the_bit_placement(dtype, monkeypatch):
     def run():  # the fp32 forms (the f16x2 form needs the e4m3 decode: test_hfma_form_over_every_byte)
         h = swiglu_gemv(x, gate, up, idx.view(-1), top_k, BLOCK_N=16, BLOCK_K=64, HFMA=False)
         return (skinny_linear(x, gate_up[1], tiles=LinearTiles(16, 32, 1, 4)), h,
-                down_combine(h, down, idx, top_w, top_k, BLOCK_N=32, BLOCK_K=32))
+                down_combine(h, down, idx, top_w, top_k, BLOCK_N=32, BLOCK_K=32, HFMA=False))
 
     got = run()
     monkeypatch.setenv("WMTP_E2M1_CVT", "0")
