@@ -45,7 +45,12 @@ def main() -> None:
             eng = Engine(model, spec, EngineConfig(max_model_len=length, max_num_seqs=1, page_size=64,
                                                    prefill_chunk=8192, decode_graphs=a.graphs))
             if a.prefill:
-                prompt = torch.randint(1, model.config.vocab_size, (a.prefill,)).tolist()
+                warm, prompt = torch.randint(1, model.config.vocab_size, (2, a.prefill)).tolist()
+                # a first prefill outside the profile: JIT compiles and autotuning (flash-linear-attention's)
+                # are not this prefill's kernels
+                eng.add_request(warm, SamplingParams(max_tokens=1, ignore_eos=True))
+                while eng.has_unfinished():
+                    eng.step()
                 eng.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
                 what = f"prefill of {a.prefill} tokens"
             else:
