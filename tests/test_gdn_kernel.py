@@ -238,6 +238,35 @@ def test_long_pieces_without_fla_use_the_reference():
     assert torch.equal(got, want)
 
 
+def test_fla_prefill_shares_one_cu_seqlens_a_forward(monkeypatch):
+    """Every GDN layer of a forward hands fla the same cu_seqlens tensors (copied to the device once,
+    without a blocking copy per layer), and the next forward its own; fla's function is a stand-in
+    here that records them (its kernels are checked on a GPU below)."""
+    import sys
+    import types
+
+    from wmtp.kernels.gdn import gdn_chunked_fla
+
+    seen = []
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, **kw):
+        seen.append((cu_seqlens, cu_seqlens_cpu))
+        return torch.zeros_like(v), initial_state
+
+    fake = types.ModuleType("fla.ops.gated_delta_rule")
+    fake.chunk_gated_delta_rule = chunk_gated_delta_rule
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
+    hk, hv, dk, dv = 1, 2, 4, 4
+    ssm = torch.zeros(3, hv, dk, dv)
+    for forward in range(2):
+        ctx = ForwardContext([0, 0], [3, 5], None, state_slots=torch.tensor([0, 2]))
+        for _layer in range(2):
+            gdn_chunked_fla(torch.randn(8, 2 * hk * dk + hv * dv), torch.zeros(8, hv), torch.ones(8, hv), ssm, ctx,
+                            (hk, hv, dk, dv, 4))
+    assert seen[0][0] is seen[1][0] and seen[0][1] is seen[1][1] and seen[2][0] is not seen[0][0]
+    assert seen[0][1].tolist() == [0, 3, 8] and torch.equal(seen[2][0], seen[0][1])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -417,12 +417,19 @@ def gdn_chunked_fla(conv_out: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     hk, hv, dk, dv, _ = dims
     T = conv_out.shape[0]
     q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
-    cu_cpu = torch.tensor(ctx.token_offsets, dtype=torch.long)
+    cu, cu_cpu = ctx.backend_cache.get("fla_cu_seqlens", (None, None))
+    if cu is None:
+        # one copy a forward, shared by every layer (and fla's caches of what it derives from them): a
+        # blocking copy before each layer synchronized the stream, so the GPU idled while the host queued
+        # the next layer's kernels
+        cu_cpu = torch.tensor(ctx.token_offsets, dtype=torch.long)
+        cu = cu_cpu.to(conv_out.device, non_blocking=True)
+        ctx.backend_cache["fla_cu_seqlens"] = (cu, cu_cpu)
     slots = ctx.state_slots
     o, final = chunk_gated_delta_rule(
         q.reshape(1, T, hk, dk), k.reshape(1, T, hk, dk), v.reshape(1, T, hv, dv), g[None].float(), beta[None],
         scale=dk**-0.5, initial_state=ssm_state[slots], output_final_state=True, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_cpu.to(conv_out.device), cu_seqlens_cpu=cu_cpu,
+        cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
     )
     ssm_state[slots] = final.to(ssm_state.dtype)
     return o[0]
