@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# A/B of decode code on one GPU: bench step's T_iter for several revisions, interleaved round by
-# round. Machines of the same GPU model differ by a few percent in T_iter (power cap, clocks), so
+# A/B on one GPU: bench step's T_iter (or, BENCH=ttft, a real prefill's TTFT) for several revisions,
+# interleaved round by round. Machines of the same GPU model differ by a few percent in T_iter (power cap, clocks), so
 # runs on different machines cannot resolve a 1% change; interleaving on one can.
 #   here:       benchmarks/ab_step.sh pack REV [REV ...]   # git archive each into .ab/<rev>.tar
 #   on the GPU: benchmarks/ab_step.sh run [ROUNDS] [MODES]  # (carry .ab and .whl) -> $OUT/ab_*.json,
 #                                                           #    $OUT/ab_summary.txt
 #   or, the working tree under settings: benchmarks/ab_step.sh env ROUNDS MODES VAR=VALUE [VAR=VALUE ...]
 #                                                           # -> $OUT/ab_VAR-VALUE_*.json, the first the baseline
-# Env: PRESET (qwen3.6-35b-a3b), CONTEXT (1040000), D (7), ITERS (60).
+# Env: PRESET (qwen3.6-35b-a3b), CONTEXT (1040000), D (7), ITERS (60); BENCH=ttft: TOKENS (131072),
+# CHUNK (16384), and the prefill's split (attention / recurrent / MoE / rest) in the summary.
 set -euo pipefail
 cmd=${1:-}
 case $cmd in
@@ -47,9 +48,14 @@ run | env)
   fi
   for ((r = 1; r <= rounds; r++)); do
     for rev in "${revs[@]}"; do
-      (cd "${dir[$rev]}" && export "${setting[$rev]}" && PYTHONPATH="${dir[$rev]}:$site" PYTHONUNBUFFERED=1 python3 -m wmtp bench step \
-         --preset "${PRESET:-qwen3.6-35b-a3b}" --context "${CONTEXT:-1040000}" -d "${D:-7}" --iters "${ITERS:-60}" \
-         --modes "$modes" --out "$out/ab_${rev}_$r.json" | grep "t_iter " || true)
+      if [[ ${BENCH:-step} == ttft ]]; then
+        args=(ttft --tokens "${TOKENS:-131072}" --chunk "${CHUNK:-16384}" --split)
+      else
+        args=(step --context "${CONTEXT:-1040000}" --iters "${ITERS:-60}")
+      fi
+      (cd "${dir[$rev]}" && export "${setting[$rev]}" && PYTHONPATH="${dir[$rev]}:$site" PYTHONUNBUFFERED=1 python3 -m wmtp bench \
+         "${args[@]}" --preset "${PRESET:-qwen3.6-35b-a3b}" -d "${D:-7}" --modes "$modes" \
+         --out "$out/ab_${rev}_$r.json" | grep -E "t_iter |TTFT" || true)
       [[ -f "$out/ab_${rev}_$r.json" ]] || echo "ab_step.sh: $rev round $r failed (no JSON)" | tee -a "$out/ab_summary.txt" >&2
     done
   done
@@ -64,14 +70,18 @@ for rev in revs:
         except FileNotFoundError:
             break
         for row in d["rows"]:
-            rows.setdefault((row["mode"], rev), []).append(row["t_iter_s"][0] * 1e3)
+            t = row["ttft_s"] if d["kind"] == "ttft" else row["t_iter_s"][0]
+            rows.setdefault((row["mode"], rev), []).append((t * 1e3, row.get("split_s", {})))
 for mode in sorted({m for m, _ in rows}):
-    base = statistics.mean(rows.get((mode, revs[0]), [float("nan")]))
+    base = statistics.mean(x for x, _ in rows.get((mode, revs[0]), [(float("nan"), {})]))
     for rev in revs:
-        t = rows.get((mode, rev), [])
-        if t:
-            print(f"{mode:9s} {rev}: T_iter {' / '.join(f'{x:.3f}' for x in t)} ms, mean {statistics.mean(t):.3f}"
-                  f" ({statistics.mean(t) / base:.4f} of {revs[0]})")
+        runs = rows.get((mode, rev), [])
+        if runs:
+            t = [x for x, _ in runs]
+            split = {k: statistics.mean(s[k] for _, s in runs) for k in runs[0][1]}
+            print(f"{mode:9s} {rev}: {' / '.join(f'{x:.3f}' for x in t)} ms, mean {statistics.mean(t):.3f}"
+                  f" ({statistics.mean(t) / base:.4f} of {revs[0]})"
+                  + "".join(f", {k} {v:.3f} s" for k, v in split.items()))
 PY
   ;;
 *)
