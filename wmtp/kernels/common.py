@@ -69,6 +69,12 @@ def launch_tile(gpu: int, extent: int, cap: int = 1024) -> int:
     return min(cap, max(16, triton.next_power_of_2(extent)))
 
 
+def launch_splits(gpu: int) -> int:
+    """A launch's default number of splits of a reduction: ``gpu``, or inside ``whole_tiles`` one
+    (the split-and-merge arithmetic is the kernel tests')."""
+    return 1 if _WHOLE_TILES else gpu
+
+
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 MAX_COUNTERS = 1 << 16
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from wmtp.kernels.common import pdl
+from wmtp.kernels.common import launch_splits, pdl
 from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
 from wmtp.quant import is_fp8
 
@@ -455,7 +455,7 @@ def paged_attention(
     if num_splits is None:
         # two programs per SM: at 1.04M keys 132 splits beat 264 (0.49 vs 0.50 ms decode, 0.55 vs
         # 0.58 ms verify of 8 queries; benchmarks/tune_attention.py) — half the partials to merge
-        num_splits = min(max_splits, max(1, math.ceil(2 * _num_sms(q.device) / programs)))
+        num_splits = launch_splits(min(max_splits, max(1, math.ceil(2 * _num_sms(q.device) / programs))))
     num_splits = max(1, min(num_splits, max_splits))
     out = torch.empty_like(q)
     gate_strides = gate.stride()[:2] if gate is not None else (0, 0)
