@@ -35,6 +35,9 @@ def main() -> None:
     ap.add_argument("--graphs", default="off", choices=("off", "auto"))
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--syncs", action="store_true",
+                    help="--prefill: then one more prefill under torch.cuda.set_sync_debug_mode, listing where the "
+                         "host waited on the stream (blocking copies, .item(), .tolist()) by Python stack")
     ap.add_argument("--timeline", help="also write every profiled kernel (name, start, duration in us) as JSON here")
     a = ap.parse_args()
     model = wmtp.load_model(a.preset, device="cuda", dtype="bfloat16", backend="triton")
@@ -75,10 +78,42 @@ def main() -> None:
             for key in ("self_cpu_time_total", "cuda_time_total"):
                 f.write(f"==== {mode}: by {key} ({what})\n")
                 f.write(prof.key_averages().table(sort_by=key, row_limit=25) + "\n")
+            if a.syncs and a.prefill:
+                prompt = torch.randint(1, model.config.vocab_size, (a.prefill,)).tolist()
+                f.write(f"==== {mode}: host waits by Python stack (another {what})\n{sync_sites(eng, prompt)}\n")
             del eng
             from wmtp.bench.step import release_pools
 
             release_pools(model)
+
+
+def sync_sites(eng: Engine, prompt: list[int]) -> str:
+    """Run ``prompt``'s prefill with torch's sync debug mode warning at every synchronizing call; each
+    distinct stack (wmtp's and its libraries' frames), most frequent first, with its count."""
+    import collections
+    import traceback
+    import warnings
+
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [fr for fr in traceback.extract_stack()[:-1]
+                  if not any(x in fr.filename for x in ("/torch/", "warnings.py"))]
+        sites["\n".join(f"        {fr.filename.split('site-packages/')[-1]}:{fr.lineno} {fr.line}"
+                         for fr in frames[-8:])] += 1
+
+    eng.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            while eng.has_unfinished():
+                eng.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return f"{sum(sites.values())} synchronizing calls\n" + "\n".join(
+        f"{c:5d}x\n{stack}" for stack, c in sites.most_common()) if sites else "none"
 
 
 def _kernels(prof) -> list:
