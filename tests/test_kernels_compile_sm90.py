@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 pytest.importorskip("triton")
 
@@ -23,12 +24,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def compiled() -> dict[str, str | None]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "tests.hopper_compile"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
+    # xdist's workers share their base temp's parent (one per session): the first worker to get here
+    # compiles every case, the others read its results instead of compiling them all again
+    base = tmp_path_factory.getbasetemp()
+    out = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "hopper_compile.json"
+    with FileLock(f"{out}.lock"):
+        if not out.exists():
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            run = subprocess.run([sys.executable, "-m", "tests.hopper_compile"], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=600)
+            assert run.returncode == 0, run.stderr[-4000:]
+            out.write_text(run.stdout.strip().splitlines()[-1])
+    return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("case", list(cases()))
