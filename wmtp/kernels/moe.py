@@ -623,6 +623,16 @@ def shared_expert_reference(x: torch.Tensor, shared: SharedExpert) -> torch.Tens
     return torch.sigmoid(F.linear(x, shared.gate)) * F.linear(h, dense(shared.down_proj, x.dtype))
 
 
+def shared_expert(x: torch.Tensor, shared: SharedExpert, gate_logit: torch.Tensor | None = None) -> torch.Tensor:
+    """``shared_expert_reference``'s arithmetic through ``decode_linear``: quantized weights read by
+    the skinny kernels, or for a prefill's GEMMs dequantized by the Triton kernel in one launch (the
+    reference unpacks them with a dozen PyTorch ops a weight, every chunk). ``gate_logit`` [T]: the
+    shared gate's logit where the router already computed it (``route_topk``)."""
+    h = F.silu(decode_linear(x, shared.gate_proj)) * decode_linear(x, shared.up_proj)
+    logit = decode_linear(x, shared.gate) if gate_logit is None else gate_logit.to(x.dtype)[:, None]
+    return torch.sigmoid(logit) * decode_linear(h, shared.down_proj)
+
+
 def moe_gemv(x: torch.Tensor, router_weight: torch.Tensor, gate_up: Weight, down: Weight, top_k: int,
              norm_topk_prob: bool, shared: SharedExpert | None = None) -> torch.Tensor:
     """Same contract as ``Backend.moe`` (softmax router, top-k SwiGLU experts, optional shared
@@ -636,10 +646,7 @@ def moe_gemv(x: torch.Tensor, router_weight: torch.Tensor, gate_up: Weight, down
     gate, up, idx = rows(gate_up, slice(0, inter)), rows(gate_up, slice(inter, None)), r.experts.view(-1)
     if shared is None or not shared_fits(gate_up, shared.gate_proj, shared.up_proj, shared.down_proj):
         out = down_combine(swiglu_gemv(x, gate, up, idx, top_k), down, r.experts, r.weights, top_k)
-        if shared is None:
-            return out
-        hs = F.silu(decode_linear(x, shared.gate_proj)) * decode_linear(x, shared.up_proj)
-        return out + torch.sigmoid(r.shared_logit.to(x.dtype))[:, None] * decode_linear(hs, shared.down_proj)
+        return out if shared is None else out + shared_expert(x, shared, r.shared_logit)
     h, hs = swiglu_gemv_with_shared(x, gate, up, idx, top_k, shared.gate_proj, shared.up_proj)
     return down_combine(h, down, r.experts, r.weights, top_k, shared=(hs, shared.down_proj, r.shared_logit))
 
@@ -683,7 +690,7 @@ def routed_experts_grouped(x, router_weight, gate_up, down, top_k, norm_topk_pro
     then ``grouped_experts`` (SwiGLU)."""
     top_w, top_i = route(x, router_weight, top_k, norm_topk_prob)
     out = grouped_experts(x, gate_up, down, top_w, top_i, gated=True)
-    return out if shared is None else out + shared_expert_reference(x, shared)
+    return out if shared is None else out + shared_expert(x, shared)
 
 
 def _grouped_mm(x: torch.Tensor, w: Weight, offs: torch.Tensor) -> torch.Tensor:
