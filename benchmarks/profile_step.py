@@ -51,9 +51,7 @@ def main() -> None:
                 warm, prompt = torch.randint(1, model.config.vocab_size, (2, a.prefill)).tolist()
                 # a first prefill outside the profile: JIT compiles and autotuning (flash-linear-attention's)
                 # are not this prefill's kernels
-                eng.add_request(warm, SamplingParams(max_tokens=1, ignore_eos=True))
-                while eng.has_unfinished():
-                    eng.step()
+                prefill(eng, warm)
                 eng.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
                 what = f"prefill of {a.prefill} tokens"
             else:
@@ -87,6 +85,13 @@ def main() -> None:
             release_pools(model)
 
 
+def prefill(eng: Engine, prompt: list[int]) -> None:
+    """``prompt``'s prefill (and its first token), to the end."""
+    eng.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+
+
 def sync_sites(eng: Engine, prompt: list[int]) -> str:
     """Run ``prompt``'s prefill with torch's sync debug mode warning at every synchronizing call; each
     distinct stack (wmtp's and its libraries' frames), most frequent first, with its count."""
@@ -102,14 +107,12 @@ def sync_sites(eng: Engine, prompt: list[int]) -> str:
         sites["\n".join(f"        {fr.filename.split('site-packages/')[-1]}:{fr.lineno} {fr.line}"
                          for fr in frames[-8:])] += 1
 
-    eng.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            while eng.has_unfinished():
-                eng.step()
+            prefill(eng, prompt)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return f"{sum(sites.values())} synchronizing calls\n" + "\n".join(

@@ -21,7 +21,7 @@ import importlib
 
 import torch
 
-from wmtp.kernels.common import arrival_counters, launch_tile, pdl
+from wmtp.kernels.common import arrival_counters, pdl
 from wmtp.kernels.torch_gdn import L2NORM_EPS, record_width
 
 try:
@@ -359,7 +359,7 @@ def gdn_decode(
             raise ValueError(f"gdn_decode: record windows {tuple(win.shape)} cannot hold {B} windows of "
                              f"[{3 + record_len}, {C}]")
         tokens, win = tokens[:T], win[:B]
-    block_v = min(launch_tile(block_v, DV), triton.next_power_of_2(DV))
+    block_v = min(block_v, triton.next_power_of_2(DV))
     if B:
         _gdn_decode_kernel[(B, HV, triton.cdiv(DV, block_v))](
             x, conv_weight.contiguous(), conv_state, a, b, A_log, dt_bias, ssm_state, slots, tok_off, q_len, o,
