@@ -122,6 +122,21 @@ def cases() -> dict[str, tuple]:
             ("windowed_pages", "*bf16", dict(BLOCK_Q=8, BLOCK_N=32, CONTIG=False, SPLIT=True), 4, 2)):
         out[f"paged_attention-{name}"] = ("wmtp.kernels.paged_attention:_attn_split_kernel", {**attn, "K": kv, "V": kv},
                                           {**shape, **c}, {"num_warps": warps, "num_stages": stages, "spills": True})
+    # the norms at prefill's rows a program (norm._rows): GDN's gated norm over 128 channels, q / k norm + RoPE
+    # over the 35B's 256-channel heads (64 of them rotary)
+    from wmtp.kernels.norm import _rows
+
+    norm = {"X": "*bf16", "W": "*bf16", "Z": "*bf16", "RES": "*bf16", "SUM_OUT": "*bf16", "OUT": "*bf16", "eps": "fp32",
+            **_ints("N", "D", "W_GROUPS", "z_n1", "z_n2", "z_s0", "z_s1", "z_s2")}
+    out["rms_norm-gated-prefill"] = ("wmtp.kernels.norm:_rms_norm_kernel", norm,
+                                     dict(OFFSET=False, GATED=1, RESIDUAL=False, BLOCK_D=128,
+                                          ROWS=_rows(8192 * 32, 128), PDL=True))
+    rope = {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "X2": "*bf16", "W2": "*bf16", "OUT2": "*bf16", "COS": "*bf16",
+            "SIN": "*bf16", "eps": "fp32", **_ints("stride_xt", "stride_xh", "stride_x2t", "stride_x2h", "stride_ct",
+                                                   "H", "H2", "T", "D", "HALF")}
+    out["norm_rope-prefill"] = ("wmtp.kernels.norm:_norm_rope_kernel", rope,
+                                dict(NORM=True, OFFSET=True, BLOCK_D=256, BLOCK_R=32, BLOCK_P=32,
+                                     ROWS=_rows(8192 * 18, 256), PDL=True))
     # routing: the 35B's softmax top-8 of 256 with the shared gate, Nemotron-3-Super's sigmoid top-22 of 512
     route = {"LOGITS": "*fp32", "W_OUT": "*fp32", "I_OUT": "*i32", "X": "*bf16", "SG": "*bf16", "SG_OUT": "*fp32",
              "BIAS": "*fp32", "E": "i32", "HID": "i32", "scale": "fp32"}

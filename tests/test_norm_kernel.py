@@ -181,3 +181,16 @@ def test_shape_errors_name_the_tensors():
         add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 7), torch.zeros(8), 1e-6)
     with pytest.raises(ValueError, match="rms_norm"):
         rms_norm(torch.zeros(2, 8), torch.zeros(9), 1e-6)
+
+
+def test_prefill_launches_take_several_rows_a_program(monkeypatch):
+    """On a GPU (whole tiles off) a launch keeps a row a program below ``PREFILL_ROWS`` rows and
+    takes rows of up to 1024 elements together past it: GDN's gated norm over 8,192 tokens x 32 heads
+    of 128 channels 8, q / k heads of 256 channels 4, 2048-wide rows one; the arithmetic is the
+    multi-row path these tests run."""
+    import wmtp.kernels.common as common
+    from wmtp.kernels.norm import PREFILL_ROWS, _rows
+
+    monkeypatch.setattr(common, "_WHOLE_TILES", False)
+    assert [_rows(n, d) for n, d in ((1, 128), (PREFILL_ROWS - 1, 128), (8192 * 32, 128), (8192 * 18, 256),
+                                     (PREFILL_ROWS, 2048))] == [1, 1, 8, 4, 1]

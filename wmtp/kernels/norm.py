@@ -1,6 +1,6 @@
 """Triton RMSNorm: plain (``w * norm(x)``), Qwen3-Next offset (``norm(x) * (1 + w)``), the GDN
 gated form (``w * norm(x) * silu(z)``) and Mamba2's (``w * norm_g(x * silu(z))`` per group), one
-program per row, fp32 statistics; and the attention
+program per row at decode sizes (several in prefill: ``_rows``), fp32 statistics; and the attention
 heads' prologue ``norm_rope``: the per-head q / k RMSNorm and the partial rotary embedding in one
 launch (in PyTorch that is ~14 elementwise kernels per tensor: casts, slices, multiplies, a cat).
 
@@ -42,7 +42,7 @@ if triton is not None:
     def _rms_norm_kernel(X, W, Z, RES, SUM_OUT, OUT, N, D, W_GROUPS, eps, z_n1, z_n2, z_s0, z_s1, z_s2,
                          OFFSET: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
                          ROWS: tl.constexpr, PDL: tl.constexpr):
-        """Rows ``pid * ROWS ..`` of the N x D input (ROWS = 1 on a GPU: one row per program), row r
+        """Rows ``pid * ROWS ..`` of the N x D input (``_rows``: on a GPU one at decode sizes), row r
         weighted by W's group ``r % W_GROUPS`` of D. GATED: 0 none, 1 ``norm(x) * silu(z)`` (GDN),
         2 ``norm(x * silu(z))`` (Mamba2's gate before the norm)."""
         wait_prior(PDL)
@@ -102,7 +102,7 @@ if triton is not None:
                           BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
         """Rows (token, head) ``pid * ROWS ..`` of X's T x H heads, then of X2's T x H2 (the second
         tensor of the launch: k after q, with its own strides and norm weight; H2 = 0 for one
-        tensor). ROWS = 1 on a GPU: one head per program."""
+        tensor). ``_rows``: on a GPU one head a program at decode sizes."""
         wait_prior(PDL)
         pid = (tl.program_id(0) * ROWS + tl.arange(0, ROWS))[:, None]
         live = pid < T * (H + H2)
@@ -135,6 +135,18 @@ if triton is not None:
             tl.store(out_row + j, _normed(x_row, w, j, pas, rstd, NORM, OFFSET).to(dt), mask=pas)
 
 
+# Past this many rows a launch is a prefill chunk's: a GPU program takes rows of up to 1024 elements
+# together (GDN's gated norm has a row per token and head, 128 channels: one a program left 262,144
+# programs of 128 threads for 8,192 tokens; 4096 elements a program spilled registers); below it every
+# row is a program of its own, the shortest latency at decode sizes.
+PREFILL_ROWS = 16384
+
+
+def _rows(n: int, block_d: int) -> int:
+    """Rows a program for a launch over ``n`` rows of ``block_d`` channels (``launch_tile``'s GPU tile)."""
+    return launch_tile(1 if n < PREFILL_ROWS else max(1, min(64, 1024 // block_d)), n, cap=64)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
              gate: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dim of ``x`` [..., D]. ``gate`` (the gated GDN form): x's shape, or
@@ -156,7 +168,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
         z = z if z.dim() == 4 else z.view(-1, 1, 1, D) if z.is_contiguous() else z.contiguous().view(-1, 1, 1, D)
         zn, zs = z.shape[1:3], z.stride()[:3]
     if x2.shape[0]:
-        rows = launch_tile(1, x2.shape[0], cap=64)
+        rows = _rows(x2.shape[0], triton.next_power_of_2(D))
         _rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
             x2, weight, z, x2, x2, out, x2.shape[0], D, 1, eps, *zn, *zs, OFFSET=offset, GATED=int(gate is not None),
             RESIDUAL=False, BLOCK_D=triton.next_power_of_2(D), ROWS=rows, **pdl(x.device))
@@ -176,7 +188,7 @@ def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
     y2 = y.contiguous()
     out = torch.empty_like(y2)
     if T:
-        rows = launch_tile(1, T * G, cap=64)
+        rows = _rows(T * G, triton.next_power_of_2(group_size))
         _rms_norm_kernel[(triton.cdiv(T * G, rows),)](
             y2, weight, z, y2, y2, out, T * G, group_size, G, eps, G, 1, z.stride(0), group_size, 0, OFFSET=False,
             GATED=2, RESIDUAL=False, BLOCK_D=triton.next_power_of_2(group_size), ROWS=rows, **pdl(y.device))
@@ -193,7 +205,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     x2, r2 = x.reshape(-1, D).contiguous(), residual.reshape(-1, D).contiguous()
     out, summed = torch.empty_like(x2), torch.empty_like(x2)
     if x2.shape[0]:
-        rows = launch_tile(1, x2.shape[0], cap=64)
+        rows = _rows(x2.shape[0], triton.next_power_of_2(D))
         _rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
             x2, weight, x2, r2, summed, out, x2.shape[0], D, 1, eps, 1, 1, D, 0, 0, OFFSET=offset, GATED=0,
             RESIDUAL=True, BLOCK_D=triton.next_power_of_2(D), ROWS=rows, **pdl(x.device))
@@ -257,7 +269,7 @@ def _norm_rope_launch(parts, cos: torch.Tensor, sin: torch.Tensor, eps: float, o
     if T:
         cos, sin = (c if c.stride(-1) == 1 else c.contiguous() for c in (cos, sin))
         rot = cos.shape[-1]
-        rows = launch_tile(1, T * (H + H2), cap=64)
+        rows = _rows(T * (H + H2), triton.next_power_of_2(D))
         _norm_rope_kernel[(triton.cdiv(T * (H + H2), rows),)](
             x, x if w is None else w, out, x2, x2 if w2 is None else w2, out2, cos, sin, x.stride(0), x.stride(1),
             x2.stride(0), x2.stride(1), cos.stride(0), H, H2, T, D, rot // 2, eps, NORM=w is not None, OFFSET=offset,
