@@ -137,6 +137,10 @@ def cases() -> dict[str, tuple]:
     out["norm_rope-prefill"] = ("wmtp.kernels.norm:_norm_rope_kernel", rope,
                                 dict(NORM=True, OFFSET=True, BLOCK_D=256, BLOCK_R=32, BLOCK_P=32,
                                      ROWS=_rows(8192 * 18, 256), PDL=True))
+    # SwiGLU's silu(gate) * up over the grouped experts' rows (bf16), as act_mul launches it
+    out["act_mul-silu"] = ("wmtp.kernels.act_mul:_act_mul_kernel",
+                           {"A": "*bf16", "B": "*bf16", "OUT": "*bf16", **_ints("R", "C", "stride_a", "stride_b")},
+                           dict(ACT=0, ROWS=4, BLOCK=512, PDL=True))
     # routing: the 35B's softmax top-8 of 256 with the shared gate, Nemotron-3-Super's sigmoid top-22 of 512
     route = {"LOGITS": "*fp32", "W_OUT": "*fp32", "I_OUT": "*i32", "X": "*bf16", "SG": "*bf16", "SG_OUT": "*fp32",
              "BIAS": "*fp32", "E": "i32", "HID": "i32", "scale": "fp32"}

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from wmtp.kernels.act_mul import SILU, act_mul
 from wmtp.kernels.common import SharedExpert, SigmoidRouting, launch_tile, pdl
 from wmtp.kernels.linear import decode_linear
 from wmtp.kernels.quant_tiles import (FLOAT, FP8_CODE, NVFP4_CODE, KernelWeight, dequantize, e2m1_cvt, hfma_default,
@@ -718,7 +719,7 @@ def grouped_experts(x: torch.Tensor, first: Weight, down: Weight, top_w: torch.T
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     h = _grouped_mm(x[order // top_k], first, offs)
-    h = F.silu(h[:, :inter]) * h[:, inter:] if gated else F.relu(h).square()
+    h = act_mul(h[:, :inter], h[:, inter:], SILU) if gated else F.relu(h).square()
     pos = torch.empty_like(order)
     pos[order] = torch.arange(order.numel(), device=x.device)
     return combine_sorted(_grouped_mm(h, down, offs), pos, top_w)

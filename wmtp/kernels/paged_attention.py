@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wmtp.kernels.act_mul import SIGMOID, act_mul
 from wmtp.kernels.common import launch_splits, pdl
 from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
 from wmtp.quant import is_fp8
@@ -403,8 +404,8 @@ def paged_attention(
     # 16- or 8-bit K / V only: fp32 tiles of this size overflow shared memory
     prefill_tile = prefill and D >= 256 and k_cache.element_size() <= 2 and D & (D - 1) == 0
     if gate is not None and prefill:
-        return paged_attention(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, num_stages,
-                               max_rows, kv_scale=kv_scale) * torch.sigmoid(gate)
+        return act_mul(gate, paged_attention(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps,
+                                             num_stages, max_rows, kv_scale=kv_scale), SIGMOID)
     if H % n_kv:
         raise ValueError(f"paged_attention: heads {H} must be a multiple of kv heads {n_kv}")
     block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs >= 16 along K

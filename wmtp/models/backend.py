@@ -430,6 +430,7 @@ class TritonBackend(TorchBackend):
         if q.dtype == torch.float64:
             return super().attention(q, k, v, k_cache, v_cache, ctx, scale, gate, kv_scale)
         from wmtp.kernels import flash_prefill
+        from wmtp.kernels.act_mul import SIGMOID, act_mul
         from wmtp.kernels.paged_attention import AttentionMeta, paged_attention
 
         self.store_kv(k, v, k_cache, v_cache, ctx.write_slots, kv_scale)
@@ -438,7 +439,7 @@ class TritonBackend(TorchBackend):
             if fmeta is None:
                 fmeta = ctx.backend_cache["flash_meta"] = flash_prefill.FlashMeta.from_context(ctx, q.device)
             out = flash_prefill.flash_prefill(q, k_cache, v_cache, fmeta, scale)
-            return out if gate is None else out * torch.sigmoid(gate)
+            return out if gate is None else act_mul(gate, out, SIGMOID)
         meta = ctx.backend_cache.get("attention_meta")
         if meta is None:  # built once per forward, shared by every attention layer
             meta = ctx.backend_cache["attention_meta"] = AttentionMeta.from_context(ctx, q.device)
