@@ -629,7 +629,7 @@ def shared_expert(x: torch.Tensor, shared: SharedExpert, gate_logit: torch.Tenso
     the skinny kernels, or for a prefill's GEMMs dequantized by the Triton kernel in one launch (the
     reference unpacks them with a dozen PyTorch ops a weight, every chunk). ``gate_logit`` [T]: the
     shared gate's logit where the router already computed it (``route_topk``)."""
-    h = F.silu(decode_linear(x, shared.gate_proj)) * decode_linear(x, shared.up_proj)
+    h = act_mul(decode_linear(x, shared.gate_proj), decode_linear(x, shared.up_proj), SILU)
     logit = decode_linear(x, shared.gate) if gate_logit is None else gate_logit.to(x.dtype)[:, None]
     return torch.sigmoid(logit) * decode_linear(h, shared.down_proj)
 
