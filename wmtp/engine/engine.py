@@ -32,7 +32,7 @@ from wmtp.engine.metrics import EngineMetrics, RequestMetrics
 from wmtp.engine.prefix_cache import PrefixCache
 from wmtp.engine.sampling import SamplingParams, accept_greedy, accept_speculative, filtered_probs, sample
 from wmtp.errors import WmtpError
-from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
+from wmtp.models.context import ForwardContext, PagedSlots, RingSlots, to_device
 from wmtp.models.base import TargetLM
 from wmtp.quant import is_fp8
 
@@ -222,7 +222,7 @@ class Engine:
             # Pages are reserved for the worst case up front, so each request's block-table row is
             # built once here: no per-iteration host work that grows with the context.
             # int32: the layout the attention kernels read, so no per-forward cast
-            rows = [torch.tensor(p, dtype=torch.int32, device=self.device) if p else None
+            rows = [to_device(p, self.device, torch.int32) if p else None
                     for p in (req.alloc.pages, req.alloc.draft_pages)]
             req.page_rows = (rows[0], rows[1])
             req.status = Status.PREFILL
@@ -250,13 +250,13 @@ class Engine:
     def _target_ctx(self, reqs: list[Request], starts: list[int], lens: list[int], record: bool = False) -> ForwardContext:
         table = _block_table([r.page_rows[0] for r in reqs])
         slots = [r.alloc.state_slot for r in reqs]
-        states = torch.tensor(slots, device=self.device) if slots[0] is not None else None
+        states = to_device(slots, self.device) if slots[0] is not None else None
         return ForwardContext(starts, lens, PagedSlots(table, self.eng.page_size), states,
                               device=self.device, record_states=record)
 
     def _draft_ctx(self, reqs: list[Request], starts: list[int], lens: list[int], windows) -> ForwardContext:
         if self.spec.uses_ring:
-            base = torch.tensor([self._ring_base(r) for r in reqs], device=self.device)
+            base = to_device([self._ring_base(r) for r in reqs], self.device)
             slots = RingSlots(base, self.spec.draft_window, self.spec.num_draft_tokens)
         else:
             slots = PagedSlots(_block_table([r.page_rows[1] for r in reqs]), self.eng.page_size)
@@ -278,7 +278,7 @@ class Engine:
             chunks.append((req, s, e))
             budget -= e - s
         batch = [c[0] for c in chunks]
-        ids = torch.tensor([t for r, s, e in chunks for t in r.prompt[s:e]], device=self.device)
+        ids = to_device([t for r, s, e in chunks for t in r.prompt[s:e]], self.device)
         hidden = self.model(ids, self._target_ctx(batch, [s for _, s, _ in chunks], [e - s for _, s, e in chunks]))
         parts = hidden.split([e - s for _, s, e in chunks])
         if self.spec.speculative:
@@ -307,7 +307,7 @@ class Engine:
         if live and self.spec.speculative:
             ctx = self._draft_ctx(live, [len(r.prompt) - 1 for r in live], [1] * len(live),
                                   [self.spec.window_for(len(r.tokens)) for r in live])
-            ids = torch.tensor([r.tokens[-1] for r in live], device=self.device)
+            ids = to_device([r.tokens[-1] for r in live], self.device)
             out = self.model.mtp_forward(ids, torch.cat([r.pending_hidden for r in live]), ctx)
             for b, req in enumerate(live):
                 self._set_draft(req, out[b : b + 1])
@@ -337,7 +337,7 @@ class Engine:
             if not segs:
                 continue
             reqs = [r for r, *_ in segs]
-            ids = torch.tensor([t for r, a, b, _ in segs for t in r.prompt[a + 1 : b + 1]], device=self.device)
+            ids = to_device([t for r, a, b, _ in segs for t in r.prompt[a + 1 : b + 1]], self.device)
             hid = torch.cat([h for *_, h in segs])
             ctx = self._draft_ctx(reqs, [a for _, a, _, _ in segs], [b - a for _, a, b, _ in segs],
                                   [self.spec.window_for(len(r.prompt)) for r in reqs])
@@ -383,7 +383,7 @@ class Engine:
             windows = [self.spec.window_for(L) for L in lens]
             hid = torch.cat([r.draft_hidden for r in reqs])
             for i in range(1, gamma):  # draft step i writes slot L-2+i and proposes d_{i+1}
-                ids = torch.tensor([dr[-1] for dr in drafts], device=self.device)
+                ids = to_device([dr[-1] for dr in drafts], self.device)
                 ctx = self._draft_ctx(reqs, [L - 2 + i for L in lens], [1] * len(reqs), windows)
                 hid = self.model.mtp_forward(ids, hid, ctx)
                 logits = self.model.draft_logits(hid, self.draft_head)
@@ -394,7 +394,7 @@ class Engine:
                 if pt is not None:
                     pt.mark("draft_fwd")
         # verify: [x_{L-1}, d_1..d_γ] at positions L-1..L+γ-1, one forward for the batch
-        ids = torch.tensor([t for r, dr in zip(reqs, drafts) for t in [r.tokens[-1], *dr]], device=self.device)
+        ids = to_device([t for r, dr in zip(reqs, drafts) for t in [r.tokens[-1], *dr]], self.device)
         ctx = self._target_ctx(reqs, [L - 1 for L in lens], [d] * len(reqs), record=gamma > 0)
         hidden = self.model(ids, ctx)
         logits = self.model.compute_logits(hidden).view(len(reqs), d, -1)
@@ -434,27 +434,27 @@ class Engine:
             return k, int(torch.argmax(logits[k]))
         if req.params.greedy:
             target = torch.argmax(logits, dim=-1)
-            return accept_greedy(torch.tensor(drafts, dtype=torch.long, device=logits.device), target)
+            return accept_greedy(to_device(drafts, logits.device), target)
         p = filtered_probs(logits.float(), req.params)
         if not drafts:
             return 0, int(sample(p, req.generator)[0])
         q = torch.cat(qs)
-        return accept_speculative(torch.tensor(drafts, device=logits.device), q, p, req.generator)
+        return accept_speculative(to_device(drafts, logits.device), q, p, req.generator)
 
     def _rollback(self, reqs: list[Request], accepted: list[int], ctx: ForwardContext) -> None:
         """Set each GDN layer's state to the one after the last accepted token (verify index a)."""
         if ctx.recorded:
-            self.model.rollback_states(ctx.state_slots, torch.tensor(accepted, device=self.device), ctx.recorded)
+            self.model.rollback_states(ctx.state_slots, to_device(accepted, self.device), ctx.recorded)
 
     def _extend(self, items: list[tuple[Request, int, list[int], torch.Tensor]]) -> None:
         """Draft-extend over slots L-1..L-1+a with the TRUE target hiddens; its last output is d_1."""
         reqs = [it[0] for it in items]
-        ids = torch.tensor([t for it in items for t in it[2]], device=self.device)
+        ids = to_device([t for it in items for t in it[2]], self.device)
         hid = torch.cat([it[3] for it in items])
         ctx = self._draft_ctx(reqs, [L - 1 for _, L, _, _ in items], [len(t) for _, _, t, _ in items],
                               [self.spec.window_for(L) for _, L, _, _ in items])
         out = self.model.mtp_forward(ids, hid, ctx)
-        ends = torch.tensor(ctx.token_offsets[1:], device=self.device) - 1
+        ends = to_device(ctx.token_offsets[1:], self.device) - 1
         last = out[ends]
         for b, r in enumerate(reqs):
             self._set_draft(r, last[b : b + 1])

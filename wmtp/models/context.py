@@ -27,6 +27,14 @@ class KVSlots(Protocol):
         ...
 
 
+def to_device(data, device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host values as a tensor on ``device``, queued on the stream: ``torch.tensor(data, device=...)``
+    copies through a stream sync, so the host waits for every kernel queued before it and the GPU then
+    idles while the host queues the next ones. (The pageable source is staged before the copy call
+    returns, so it may be freed at once.)"""
+    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+
+
 @dataclass
 class PagedSlots:
     """Paged target / full-length draft pool: ``slot = block_table[b, p // page] * page + p % page``."""
@@ -114,7 +122,7 @@ class ForwardContext:
     def positions(self) -> torch.Tensor:
         """[T] positions of all query tokens, request-major."""
         parts = [torch.arange(s, s + n) for s, n in zip(self.q_starts, self.q_lens)]
-        return torch.cat(parts).to(self.device) if parts else torch.zeros(0, dtype=torch.long)
+        return torch.cat(parts).to(self.device, non_blocking=True) if parts else torch.zeros(0, dtype=torch.long)
 
     @cached_property
     def token_offsets(self) -> list[int]:
