@@ -239,6 +239,34 @@ def test_window_min_context_switches_the_draft_to_the_window(dense_reference):
     assert early >= 5 and late >= 5 and cut >= 1, (early, late, cut)  # both regimes seen; the window really cuts
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
+def test_full_attention_draft_prefill_only_writes_kv(preset, dense_reference):
+    """A native draft's prefill writes K/V at every prompt slot and runs no MTP forward there: its
+    proposals' logits equal those after a prefill that runs the MTP forward over every slot, and
+    no draft forward takes more rows than a decode iteration's."""
+    prompts, params, d = _prompts(4, seed=13), SamplingParams(max_tokens=24, ignore_eos=True), 4
+    ref = dense_reference(preset, prompts, 24)
+    logs, rows = {}, {}
+    for name in ("write", "forward"):
+        llm = _llm(preset, "native", d=d)
+        model, forward, rows[name] = llm.model, llm.model.mtp_forward, []
+        if name == "forward":  # every prompt slot through the whole MTP layer, as serving stacks prefill it
+            model.mtp_write_kv = lambda ids, hidden, ctx, layer_idx=0, m=model: [m.mtp_forward(ids, hidden, ctx, layer_idx)] and None
+
+        def counted(ids, hidden, ctx, layer_idx=0, forward=forward, seen=rows[name]):
+            seen.append(len(ids))
+            return forward(ids, hidden, ctx, layer_idx)
+
+        model.mtp_forward = counted
+        logs[name] = _draft_log(llm, ref)
+        out = llm.generate(prompts, params)
+        assert [p + o.token_ids for p, o in zip(prompts, out)] == [ref[tuple(p)] for p in prompts]
+    assert [L for L, _ in logs["write"]] == [L for L, _ in logs["forward"]]
+    for (L, a), (_, b) in zip(logs["write"], logs["forward"]):
+        assert torch.allclose(a, b, atol=1e-5), f"draft logits at context {L} differ"
+    assert max(rows["write"]) <= len(prompts) * (d + 1) < max(rows["forward"]), (max(rows["write"]), max(rows["forward"]))
+
+
 def test_per_request_memory_bytes():
     """Each request reports the bytes it reserved in each pool; the ring is sink + W + d draft slots."""
     prompt, params = _prompts(1, seed=2)[0][:1] * 50, SamplingParams(max_tokens=10, ignore_eos=True)

@@ -316,11 +316,13 @@ class Engine:
 
     def _draft_prefill(self, chunks: list[tuple[Request, int, int]], parts: tuple[torch.Tensor, ...]) -> None:
         """Draft slots whose next token is in the prompt: [s-1, e-1) per chunk (h_{s-1} is held from
-        the previous chunk, so the draft lags the target by one position). Full-attention requests
-        run the MTP forward (one batched call); windowed ones are sparsified (DESIGN §4): only slots
-        some future query can read get K/V (a resumed request's too: ``PrefixCache.draft_runs``), and
-        no attention runs here."""
-        full, sparse = [], []
+        the previous chunk, so the draft lags the target by one position). A slot's K/V are its own
+        (embedding, hidden) pair's projections and no prompt slot's output is ever read (the first
+        draft forward, at the last slot, runs in ``_first_tokens``), so the prefill only writes K/V,
+        in one batched call and with no attention (DESIGN §4): every slot for full-attention requests,
+        for windowed ones only the slots some future query can read (a resumed request's too:
+        ``PrefixCache.draft_runs``)."""
+        segs = []
         for (req, s, e), h in zip(chunks, parts):
             lo, hi = max(s - 1, 0), e - 1
             hid = h[: e - 1 - s] if s == 0 else torch.cat([req.pending_hidden, h[: e - 1 - s]])
@@ -328,23 +330,15 @@ class Engine:
             if hi <= lo:
                 continue
             window = self.spec.window_for(len(req.prompt))
-            if window is None:
-                full.append((req, lo, hi, hid))
-            else:
-                sparse += [(req, a, b, hid[a - lo : b - lo]) for a, b in self.prefix.draft_runs(window, lo, hi,
-                                                                                               len(req.prompt))]
-        for segs, write_only in ((full, False), (sparse, True)):
-            if not segs:
-                continue
-            reqs = [r for r, *_ in segs]
-            ids = to_device([t for r, a, b, _ in segs for t in r.prompt[a + 1 : b + 1]], self.device)
-            hid = torch.cat([h for *_, h in segs])
-            ctx = self._draft_ctx(reqs, [a for _, a, _, _ in segs], [b - a for _, a, b, _ in segs],
-                                  [self.spec.window_for(len(r.prompt)) for r in reqs])
-            if write_only:
-                self.model.mtp_write_kv(ids, hid, ctx)
-            else:
-                self.model.mtp_forward(ids, hid, ctx)
+            runs = [(lo, hi)] if window is None else self.prefix.draft_runs(window, lo, hi, len(req.prompt))
+            segs += [(req, a, b, hid[a - lo : b - lo]) for a, b in runs]
+        if not segs:
+            return
+        reqs = [r for r, *_ in segs]
+        ids = to_device([t for r, a, b, _ in segs for t in r.prompt[a + 1 : b + 1]], self.device)
+        ctx = self._draft_ctx(reqs, [a for _, a, _, _ in segs], [b - a for _, a, b, _ in segs],
+                              [self.spec.window_for(len(r.prompt)) for r in reqs])
+        self.model.mtp_write_kv(ids, torch.cat([h for *_, h in segs]), ctx)
 
     # ---- one speculative iteration for a batch -------------------------------------------------
     def _choose_gamma(self, reqs: list[Request]) -> int:
