@@ -4,6 +4,7 @@ correctness of the draft, ring safety, GDN rollback, errors. CPU, fp32, tiny mod
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -87,7 +88,7 @@ def dense_reference():
 def test_greedy_identical_across_modes(preset, mode, ring, dense_reference):
     """≥ 50 prompts per preset and mode, d from 2 to 8, batch 1 and 4 with staggered arrivals."""
     max_tokens = 24
-    prompts = _prompts(52, seed=hash((preset, mode, ring)) % 1000)
+    prompts = _prompts(52, seed=zlib.crc32(f"{preset} {mode} {ring}".encode()) % 1000)  # the same in every process
     ref = dense_reference(preset, prompts, max_tokens)
     accepted_counts = set()
     for k, (d, batch, hit) in enumerate([(2, 1, 0.7), (3, 4, 0.5), (5, 4, 0.8), (8, 4, 0.9)]):
