@@ -252,7 +252,10 @@ def test_full_attention_draft_prefill_only_writes_kv(preset, dense_reference):
         llm = _llm(preset, "native", d=d)
         model, forward, rows[name] = llm.model, llm.model.mtp_forward, []
         if name == "forward":  # every prompt slot through the whole MTP layer, as serving stacks prefill it
-            model.mtp_write_kv = lambda ids, hidden, ctx, layer_idx=0, m=model: [m.mtp_forward(ids, hidden, ctx, layer_idx)] and None
+            def write_by_forward(ids, hidden, ctx, layer_idx=0, model=model):
+                model.mtp_forward(ids, hidden, ctx, layer_idx)
+
+            model.mtp_write_kv = write_by_forward
 
         def counted(ids, hidden, ctx, layer_idx=0, forward=forward, seen=rows[name]):
             seen.append(len(ids))
