@@ -238,24 +238,31 @@ def test_long_pieces_without_fla_use_the_reference():
     assert torch.equal(got, want)
 
 
-def test_fla_prefill_shares_one_cu_seqlens_a_forward(monkeypatch):
-    """Every GDN layer of a forward hands fla the same cu_seqlens tensors (copied to the device once,
-    without a blocking copy per layer), and the next forward its own; fla's function is a stand-in
-    here that records them (its kernels are checked on a GPU below)."""
+def test_fla_prefill_shares_one_varlen_table_a_forward(monkeypatch):
+    """Every GDN layer of a forward hands fla the same cu_seqlens and chunk table (built on the host and
+    queued to the device once, so fla neither copies them with a sync nor per layer), the table at the
+    chunk size it is handed; the next forward gets its own. fla's functions are stand-ins here that
+    record what they get (its kernels are checked on a GPU below)."""
     import sys
     import types
 
     from wmtp.kernels.gdn import gdn_chunked_fla
 
-    seen = []
+    seen, tables = [], []
 
-    def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, **kw):
-        seen.append((cu_seqlens, cu_seqlens_cpu))
+    def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices,
+                               chunk_size, **kw):
+        seen.append((cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size))
         return torch.zeros_like(v), initial_state
 
-    fake = types.ModuleType("fla.ops.gated_delta_rule")
-    fake.chunk_gated_delta_rule = chunk_gated_delta_rule
-    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
+    def prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=None):
+        tables.append((cu_seqlens.tolist(), chunk_size, cu_seqlens_cpu.device.type))
+        return torch.full((len(tables), 2), len(tables))
+
+    for name, fn in [("gated_delta_rule", chunk_gated_delta_rule), ("utils.index", prepare_chunk_indices)]:
+        fake = types.ModuleType(f"fla.ops.{name}")
+        setattr(fake, fn.__name__, fn)
+        monkeypatch.setitem(sys.modules, f"fla.ops.{name}", fake)
     hk, hv, dk, dv = 1, 2, 4, 4
     ssm = torch.zeros(3, hv, dk, dv)
     for forward in range(2):
@@ -263,8 +270,11 @@ def test_fla_prefill_shares_one_cu_seqlens_a_forward(monkeypatch):
         for _layer in range(2):
             gdn_chunked_fla(torch.randn(8, 2 * hk * dk + hv * dv), torch.zeros(8, hv), torch.ones(8, hv), ssm, ctx,
                             (hk, hv, dk, dv, 4))
-    assert seen[0][0] is seen[1][0] and seen[0][1] is seen[1][1] and seen[2][0] is not seen[0][0]
+    assert all(a is b for a, b in zip(seen[0][:3], seen[1][:3])) and all(a is not b for a, b in zip(seen[0][:3], seen[2][:3]))
+    chunk = seen[0][3]
+    assert tables == [([0, 3, 8], chunk, "cpu")] * 2 and all(s[3] == chunk for s in seen)
     assert seen[0][1].tolist() == [0, 3, 8] and torch.equal(seen[2][0], seen[0][1])
+    assert seen[0][2].tolist() == [[1, 1]] and seen[2][2].tolist() == [[2, 2]] * 2
 
 
 @pytest.mark.gpu

@@ -407,29 +407,35 @@ def fla_available(device: torch.device, ops: str = "gated_delta_rule") -> bool:
     return True
 
 
+FLA_CHUNK = 64  # fla's chunk of the gated delta rule (its default), which its chunk table indexes
+
+
 def gdn_chunked_fla(conv_out: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ssm_state: torch.Tensor,
                     ctx, dims: tuple[int, int, int, int, int]) -> torch.Tensor:
     """Prefill-sized pieces through fla's chunked gated delta rule (varlen over the requests of the
     forward; its GVA maps v-head h to k-head h // (HV / HK), as ``_gdn_heads`` repeats them).
     Starts from and updates ``ssm_state[ctx.state_slots]``. Returns o [T, HV, Dv]."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.utils.index import prepare_chunk_indices
 
     hk, hv, dk, dv, _ = dims
     T = conv_out.shape[0]
     q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
-    cu, cu_cpu = ctx.backend_cache.get("fla_cu_seqlens", (None, None))
-    if cu is None:
-        # one copy a forward, shared by every layer (and fla's caches of what it derives from them): a
-        # blocking copy before each layer synchronized the stream, so the GPU idled while the host queued
-        # the next layer's kernels
+    varlen = ctx.backend_cache.get("fla_varlen")
+    if varlen is None:
+        # once a forward, shared by every layer, each queued without a sync: a blocking copy (of the
+        # offsets, or of fla's chunk table, which it copies with one when not handed it) makes the GPU
+        # idle while the host queues the next layer's kernels
         cu_cpu = torch.tensor(ctx.token_offsets, dtype=torch.long)
-        cu = cu_cpu.to(conv_out.device, non_blocking=True)
-        ctx.backend_cache["fla_cu_seqlens"] = (cu, cu_cpu)
+        chunks = prepare_chunk_indices(cu_cpu, FLA_CHUNK, cu_seqlens_cpu=cu_cpu)
+        varlen = dict(cu_seqlens=cu_cpu.to(conv_out.device, non_blocking=True), cu_seqlens_cpu=cu_cpu,
+                      chunk_indices=chunks.to(conv_out.device, non_blocking=True))
+        ctx.backend_cache["fla_varlen"] = varlen
     slots = ctx.state_slots
     o, final = chunk_gated_delta_rule(
         q.reshape(1, T, hk, dk), k.reshape(1, T, hk, dk), v.reshape(1, T, hv, dv), g[None].float(), beta[None],
         scale=dk**-0.5, initial_state=ssm_state[slots], output_final_state=True, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+        chunk_size=FLA_CHUNK, **varlen,
     )
     ssm_state[slots] = final.to(ssm_state.dtype)
     return o[0]
