@@ -10,8 +10,8 @@ products); our Triton prefill kernel stays for everything it does not cover.
 
 Used where ``flash_attn.cute`` imports (the optional ``flash`` extra), on compute capability 9+
 (``WMTP_FLASH_PREFILL=0``: off) with 16-bit K / V, for a prefill-sized forward (``PREFILL_MIN_Q``,
-the Triton kernel's own line) with neither the draft window nor the ring: target prefill, the native
-draft's prefill. The twin is ``TorchBackend.attention``: ``tests/test_flash_prefill.py`` checks the
+the Triton kernel's own line) with neither the draft window nor the ring: the target's prefill (the
+draft's prefill only writes K / V). The twin is ``TorchBackend.attention``: ``tests/test_flash_prefill.py`` checks the
 call against a PyTorch implementation of the library's contract (CPU) and the library against the
 twin (GPU).
 """
