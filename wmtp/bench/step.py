@@ -156,9 +156,10 @@ def _overlapped_intervals(eng: Engine, warmup: int, iters: int) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def kernel_bench(a: argparse.Namespace, device: torch.device) -> dict:
+def kernel_bench(a: argparse.Namespace, device: torch.device, cfg) -> dict:
     """The paged decode kernel vs SDPA on contiguous KV (same keys), and the draft's attention per
-    forward at S: windowed (ring) vs native (paged over S keys). bf16, 35B head shape."""
+    forward at S: windowed (ring) vs native (paged over S keys). bf16, the attention shape of the
+    model's config ``cfg`` unless ``--heads`` / ``--kv-heads`` / ``--head-dim`` say otherwise."""
     import triton.testing
 
     def bench(fn) -> float:
@@ -171,7 +172,8 @@ def kernel_bench(a: argparse.Namespace, device: torch.device) -> dict:
     from wmtp.kernels.paged_attention import AttentionMeta, paged_attention
     from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
 
-    H, KV, D, S, page = a.heads, a.kv_heads, a.head_dim, a.context, a.page_size
+    H, KV, D = a.heads or cfg.num_heads, a.kv_heads or cfg.num_kv_heads, a.head_dim or cfg.head_dim
+    S, page = a.context, a.page_size
     dt = torch.bfloat16
     n_pages = -(-S // page)
     k_cache = torch.randn(n_pages * page, KV, D, device=device, dtype=dt)
@@ -204,7 +206,7 @@ def kernel_bench(a: argparse.Namespace, device: torch.device) -> dict:
     del k_cache, v_cache, kc, vc
     torch.cuda.empty_cache()
     print("kernels:", json.dumps({k: round(v, 4) for k, v in out.items()}), flush=True)
-    return out
+    return {"heads": H, "kv_heads": KV, "head_dim": D, **out}
 
 
 def admission(model, mode: str, a: argparse.Namespace) -> dict:
@@ -347,7 +349,7 @@ def run_step(a: argparse.Namespace, bw: dict | None = None, tp: TPGroup | None =
 
     save()
     if a.kernels:
-        result["kernels"] = kernel_bench(a, device)
+        result["kernels"] = kernel_bench(a, device, model.config)
         save()
     if a.admission:
         result["admission"] = [admission(model, m, a) for m in modes]
@@ -505,9 +507,9 @@ def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
             s.add_argument("--max-admit", type=int, default=16, help="admission: stop at this many requests")
             s.add_argument("--reserve-gib", type=float, default=16.0,
                            help="left free for activations and decode graphs (6 GiB ran out in the 1M batch sweep)")
-            s.add_argument("--heads", type=int, default=16)
-            s.add_argument("--kv-heads", type=int, default=2)
-            s.add_argument("--head-dim", type=int, default=256)
+            s.add_argument("--heads", type=int, help="--kernels: query heads (default: the model's)")
+            s.add_argument("--kv-heads", type=int, help="--kernels: KV heads (default: the model's)")
+            s.add_argument("--head-dim", type=int, help="--kernels: head dim (default: the model's)")
         else:
             s.add_argument("--tokens", type=int, default=131_072)
             s.add_argument("--chunk", type=int, default=8192)
