@@ -233,10 +233,11 @@ def admission(model, mode: str, a: argparse.Namespace) -> dict:
     per_req = next(iter(eng.requests.values())).metrics.memory_bytes if n else {}
     del eng
     release_pools(model)
+    after = torch.cuda.memory_allocated()  # above ``held``: what the engine left alive
     print(f"[{mode:8s}] admitted {n} requests of {a.context} tokens in {budget / 2**30:.1f} GiB (torch held "
-          f"{held / 2**30:.1f} GiB besides); one step {t * 1e3:.1f} ms", flush=True)
+          f"{held / 2**30:.1f} GiB besides, {after / 2**30:.1f} after); one step {t * 1e3:.1f} ms", flush=True)
     return {"mode": mode, "S": a.context, "d": spec.verify_tokens, "max_admitted": n, "admit_cap": a.max_admit,
-            "kv_budget_bytes": budget, "torch_allocated_bytes": held,
+            "kv_budget_bytes": budget, "torch_allocated_bytes": held, "torch_allocated_after_bytes": after,
             "pools": mem, "per_request_bytes": per_req, "step_s": t}
 
 
