@@ -62,9 +62,9 @@ if triton is not None:
                   CVT: tl.constexpr):
         """fp32 ``X[ts] @ W[cols].T`` over this program's K split ``[k_lo, k_lo + K_SPLIT)``, one dot
         per K step (``weight_tile_dot``, any weight format): a [len(ts), len(cols)] tile (rows and
-        columns past ``t_ok`` / ``col_ok`` are 0). A quantized weight accumulates the transpose
-        (``weight_tile_dot``), turned once, after the K loop."""
-        acc = tl.zeros([cols.shape[0], ts.shape[0]] if FORMAT != 0 else [ts.shape[0], cols.shape[0]], tl.float32)
+        columns past ``t_ok`` / ``col_ok`` are 0). NVFP4 accumulates the transpose (``weight_tile_dot``)
+        and turns it once, after the K loop."""
+        acc = tl.zeros([cols.shape[0], ts.shape[0]] if FORMAT == 1 else [ts.shape[0], cols.shape[0]], tl.float32)
         sc = tile_scales(S, cols * stride_sn, col_ok, k_lo, K, FORMAT, BLOCK_K)
         for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
             if FORMAT == 1:  # in the step: scales carried from the step before fix the decoded weight's
@@ -76,7 +76,7 @@ if triton is not None:
             acc = weight_tile_dot(X, W, stride_xt, stride_wn, ts, t_ok, cols, col_ok, k0, K, sc, acc,
                                   FORMAT, WIDEN, PREC, BLOCK_K, CVT)
             sc = nxt
-        return tl.trans(acc) if FORMAT != 0 else acc
+        return tl.trans(acc) if FORMAT == 1 else acc
 
     @triton.jit
     def _skinny_linear_kernel(X, W, S, R, BIAS, OUT, PART, COUNT, T, N, K, stride_xt, stride_wn, stride_sn, stride_ot,

@@ -352,10 +352,10 @@ if triton is not None:
         fp32 X multiplies the fp32 weights); FP8's block scale (BLOCK_K divides 128) multiplies the
         step's dot. ``sc``: the step's ``tile_scales``. NVFP4's second level: not here.
 
-        A quantized weight (``acc`` the transpose, [len(cols), len(ts)]) is the dot's first operand,
-        which Hopper's wgmma reads from registers where it is decoded (the second comes from shared
-        memory, so the decoded weight would pass through it); NVFP4's bytes load as [cols, bytes] tiles,
-        a row's bytes across neighbouring threads (a [cols, groups, 8] load put the threads along the
+        NVFP4 (``acc`` its transpose, [len(cols), len(ts)]): the weight is the dot's first operand, which
+        Hopper's wgmma reads from registers where it is decoded (the second comes from shared memory,
+        so the decoded weight would pass through it), and its bytes load as [cols, bytes] tiles, a
+        row's bytes across neighbouring threads (a [cols, groups, 8] load put the threads along the
         rows: ncu counted 68% of the sectors in excess, ``h100/tuning/ncu_skinny_linear_nvfp4_rows8.txt``)."""
         BN: tl.constexpr = cols.shape[0]
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -385,11 +385,16 @@ if triton is not None:
             xs, down = f16_rows(xv)
         if F32X or WIDEN:
             xs, wv = xs.to(tl.float32), wv.to(tl.float32)
-        part = tl.dot(wv, tl.trans(xs), input_precision=PREC)
-        if not F32X:
-            part = part * tl.trans(down)
-        if FORMAT == 2:
-            part = part * sc[:, None]
+        if FORMAT == 1:
+            part = tl.dot(wv, tl.trans(xs), input_precision=PREC)
+            if not F32X:
+                part = part * tl.trans(down)
+        else:
+            part = tl.dot(xs, tl.trans(wv), input_precision=PREC)
+            if not F32X:
+                part = part * down
+            if FORMAT == 2:
+                part = part * sc[None, :]
         return acc + part
 
     @triton.jit
