@@ -236,9 +236,29 @@ def admission(model, mode: str, a: argparse.Namespace) -> dict:
     after = torch.cuda.memory_allocated()  # above ``held``: what the engine left alive
     print(f"[{mode:8s}] admitted {n} requests of {a.context} tokens in {budget / 2**30:.1f} GiB (torch held "
           f"{held / 2**30:.1f} GiB besides, {after / 2**30:.1f} after); one step {t * 1e3:.1f} ms", flush=True)
-    return {"mode": mode, "S": a.context, "d": spec.verify_tokens, "max_admitted": n, "admit_cap": a.max_admit,
-            "kv_budget_bytes": budget, "torch_allocated_bytes": held, "torch_allocated_after_bytes": after,
-            "pools": mem, "per_request_bytes": per_req, "step_s": t}
+    row = {"mode": mode, "S": a.context, "d": spec.verify_tokens, "max_admitted": n, "admit_cap": a.max_admit,
+           "kv_budget_bytes": budget, "torch_allocated_bytes": held, "torch_allocated_after_bytes": after,
+           "pools": mem, "per_request_bytes": per_req, "step_s": t}
+    if after > held + 2**30:  # an engine's memory outlived it: what Python still reaches of it
+        row["left_alive"] = largest_tensors(torch.device(a.device))
+        print(f"[{mode:8s}] left alive: {row['left_alive']}", flush=True)
+    return row
+
+
+def largest_tensors(device: torch.device, most: int = 8) -> list[dict]:
+    """The largest storages on ``device`` that the garbage collector reaches through a tensor (one
+    entry a storage, with the shape of its tensor of the most elements: a view keeps its base
+    reachable): memory torch counts as allocated that no storage listed here holds belongs to
+    something Python does not see (a CUDA graph's private pool)."""
+    gc.collect()
+    seen: dict[int, torch.Tensor] = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.device == device:
+            key = o.untyped_storage().data_ptr()
+            if key not in seen or o.numel() > seen[key].numel():
+                seen[key] = o
+    out = [{"bytes": t.untyped_storage().nbytes(), "shape": list(t.shape), "dtype": str(t.dtype)} for t in seen.values()]
+    return sorted(out, key=lambda e: -e["bytes"])[:most]
 
 
 def revision() -> str:
