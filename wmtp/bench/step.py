@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from wmtp.bench.gpu_state import describe_gpu_state, gpu_state
+from wmtp.config import ModelConfig
 from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.engine.engine import Engine
 from wmtp.engine.memory import CapacityError, MemoryManager
@@ -156,7 +157,7 @@ def _overlapped_intervals(eng: Engine, warmup: int, iters: int) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def kernel_bench(a: argparse.Namespace, device: torch.device, cfg) -> dict:
+def kernel_bench(a: argparse.Namespace, device: torch.device, cfg: ModelConfig) -> dict:
     """The paged decode kernel vs SDPA on contiguous KV (same keys), and the draft's attention per
     forward at S: windowed (ring) vs native (paged over S keys). bf16, the attention shape of the
     model's config ``cfg`` unless ``--heads`` / ``--kv-heads`` / ``--head-dim`` say otherwise."""
