@@ -439,17 +439,3 @@ def test_engine_random_ops_no_leak(engine_case):
         assert ops["refused_pages"] >= 1, ops
     print(f"{preset}: ops={dict(ops)} drain_steps={drain_steps} finish={dict(reasons)}")
 
-
-def test_largest_tensors_names_what_is_still_reachable():
-    """``bench step --admission``'s record of what an engine left alive: each storage once, at its
-    base's shape (a view keeps the base reachable); gone once nothing holds it."""
-    from wmtp.bench.step import largest_tensors
-
-    size = 3 * 2 * 4096 * 8 * 4
-    pool = torch.zeros(3, 2, 4096, 8)
-    views = [pool[0, 1], pool.view(-1)[:10]]
-    del pool
-    found = [e for e in largest_tensors(torch.device("cpu"), most=10_000) if e["bytes"] == size]
-    assert found == [{"bytes": size, "shape": [3, 2, 4096, 8], "dtype": "torch.float32"}]
-    del views
-    assert not [e for e in largest_tensors(torch.device("cpu"), most=10_000) if e["bytes"] == size]

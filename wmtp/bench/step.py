@@ -157,10 +157,25 @@ def _overlapped_intervals(eng: Engine, warmup: int, iters: int) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def kernel_bench(a: argparse.Namespace, device: torch.device, cfg: ModelConfig) -> dict:
+def kernel_shape(a: argparse.Namespace, cfg: ModelConfig) -> tuple[int, int, int]:
+    """``--kernels``' attention shape (query heads, KV heads, head dim): the model's config ``cfg``
+    where ``--heads`` / ``--kv-heads`` / ``--head-dim`` do not say otherwise. Checked before any timing."""
+    from wmtp.errors import WmtpError
+
+    given = {"--heads": a.heads, "--kv-heads": a.kv_heads, "--head-dim": a.head_dim}
+    bad = [f"{k}={v}" for k, v in given.items() if v is not None and v < 1]
+    if bad:
+        raise WmtpError(f"wmtp bench step --kernels: {', '.join(bad)} must be at least 1")
+    shape = (a.heads or cfg.num_heads, a.kv_heads or cfg.num_kv_heads, a.head_dim or cfg.head_dim)
+    if shape[0] % shape[1]:
+        raise WmtpError(f"wmtp bench step --kernels: {shape[0]} query heads are not a multiple of {shape[1]} KV heads "
+                        "(--heads / --kv-heads, else the model's)")
+    return shape
+
+
+def kernel_bench(a: argparse.Namespace, device: torch.device, shape: tuple[int, int, int]) -> dict:
     """The paged decode kernel vs SDPA on contiguous KV (same keys), and the draft's attention per
-    forward at S: windowed (ring) vs native (paged over S keys). bf16, the attention shape of the
-    model's config ``cfg`` unless ``--heads`` / ``--kv-heads`` / ``--head-dim`` say otherwise."""
+    forward at S: windowed (ring) vs native (paged over S keys). bf16, at ``shape`` (``kernel_shape``)."""
     import triton.testing
 
     def bench(fn) -> float:
@@ -173,8 +188,7 @@ def kernel_bench(a: argparse.Namespace, device: torch.device, cfg: ModelConfig) 
     from wmtp.kernels.paged_attention import AttentionMeta, paged_attention
     from wmtp.models.context import ForwardContext, PagedSlots, RingSlots
 
-    H, KV, D = a.heads or cfg.num_heads, a.kv_heads or cfg.num_kv_heads, a.head_dim or cfg.head_dim
-    S, page = a.context, a.page_size
+    (H, KV, D), S, page = shape, a.context, a.page_size
     dt = torch.bfloat16
     n_pages = -(-S // page)
     k_cache = torch.randn(n_pages * page, KV, D, device=device, dtype=dt)
@@ -340,6 +354,7 @@ def run_step(a: argparse.Namespace, bw: dict | None = None, tp: TPGroup | None =
     device = torch.device(a.device)
     bw = bw or step_bandwidth(device)
     model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend, tp=tp)
+    shape = kernel_shape(a, model.config) if a.kernels else None
     modes = [m for m in a.modes.split(",") if m]
     rows = [time_mode(model, m, a, bw["read_bytes_per_s"]) for m in modes]
     by = {r["mode"]: r for r in rows}
@@ -371,7 +386,7 @@ def run_step(a: argparse.Namespace, bw: dict | None = None, tp: TPGroup | None =
 
     save()
     if a.kernels:
-        result["kernels"] = kernel_bench(a, device, model.config)
+        result["kernels"] = kernel_bench(a, device, shape)
         save()
     if a.admission:
         result["admission"] = [admission(model, m, a) for m in modes]
@@ -449,6 +464,7 @@ def run_ttft(a: argparse.Namespace, tp: TPGroup | None = None) -> int:
     import wmtp
 
     model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend, tp=tp)
+    shape = kernel_shape(a, model.config) if a.kernels else None
     prompt = torch.randint(1, model.config.vocab_size, (a.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     warm = min(a.tokens, 2 * a.chunk + 1)
     modes = a.modes.split(",")

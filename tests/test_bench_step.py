@@ -1,0 +1,44 @@
+"""``wmtp bench step``'s host-side parts: the ``--kernels`` shape and its checks, and admission's
+record of what a released engine left alive."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from wmtp.bench.step import kernel_shape, largest_tensors
+from wmtp.errors import WmtpError
+from wmtp.presets import preset_config
+
+
+def _args(heads=None, kv_heads=None, head_dim=None) -> argparse.Namespace:
+    return argparse.Namespace(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+
+
+def test_kernel_shape_is_the_models_unless_given():
+    cfg = preset_config("nemotron-3-super-120b-a12b")
+    assert kernel_shape(_args(), cfg) == (32, 2, 128)
+    assert kernel_shape(_args(heads=16, head_dim=256), cfg) == (16, 2, 256)
+
+
+@pytest.mark.parametrize("given, match", [(dict(heads=0), "--heads=0 must be at least 1"),
+                                          (dict(kv_heads=-2, head_dim=0), "--kv-heads=-2, --head-dim=0"),
+                                          (dict(heads=12, kv_heads=8), "12 query heads are not a multiple of 8")])
+def test_bad_kernel_shapes_are_named(given, match):
+    with pytest.raises(WmtpError, match=match):
+        kernel_shape(_args(**given), preset_config("qwen3.6-35b-a3b"))
+
+
+def test_largest_tensors_names_what_is_still_reachable():
+    """``bench step --admission``'s record of what an engine left alive: each storage once, at its
+    base's shape (a view keeps the base reachable); gone once nothing holds it."""
+    size = 3 * 2 * 4096 * 8 * 4
+    pool = torch.zeros(3, 2, 4096, 8)
+    views = [pool[0, 1], pool.view(-1)[:10]]
+    del pool
+    found = [e for e in largest_tensors(torch.device("cpu"), most=10_000) if e["bytes"] == size]
+    assert found == [{"bytes": size, "shape": [3, 2, 4096, 8], "dtype": "torch.float32"}]
+    del views
+    assert not [e for e in largest_tensors(torch.device("cpu"), most=10_000) if e["bytes"] == size]
