@@ -464,7 +464,6 @@ def run_ttft(a: argparse.Namespace, tp: TPGroup | None = None) -> int:
     import wmtp
 
     model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend, tp=tp)
-    shape = kernel_shape(a, model.config) if a.kernels else None
     prompt = torch.randint(1, model.config.vocab_size, (a.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     warm = min(a.tokens, 2 * a.chunk + 1)
     modes = a.modes.split(",")
