@@ -46,6 +46,10 @@ def cases() -> dict[str, tuple]:
             dict(FORMAT=code, HAS_BIAS=True, SPLITS=splits, WIDEN=False, PREC="tf32", T_P=16, BLOCK_N=tiles.block_n,
                  BLOCK_K=tiles.block_k, CVT=cvt, GEMV=False, PDL=True),
             {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+    # a 16-bit weight through the same split_dot (the linears that stay in the checkpoint's dtype)
+    out["skinny_linear-bf16"] = ("wmtp.kernels.linear:_skinny_linear_kernel", {**LINEAR_TYPES, "W": "*bf16", "S": "*bf16"},
+                                 dict(FORMAT=0, HAS_BIAS=False, SPLITS=4, WIDEN=False, PREC="tf32", T_P=16, BLOCK_N=32,
+                                      BLOCK_K=256, CVT=False, GEMV=False, PDL=True), {"num_warps": 4})
     # the one-row FMA path (LinearTiles.gemv): NVFP4's default (4 warps), FP8's up to 4096 outputs (32 x 128, 8 warps)
     for (fmt, cvt), (bn, bk) in itertools.product(CVT, ((8, 256), (16, 256), (32, 128))):
         code, w, s = QUANT_FORMATS[fmt]
