@@ -1,5 +1,5 @@
-"""``wmtp bench step``'s host-side parts: the ``--kernels`` shape and its checks, and admission's
-record of what a released engine left alive."""
+"""``wmtp bench step``'s host-side parts: its options' checks (and ``ttft``'s), the ``--kernels``
+shape, and admission's record of what a released engine left alive."""
 
 from __future__ import annotations
 
@@ -8,13 +8,33 @@ import argparse
 import pytest
 import torch
 
+import wmtp
 from wmtp.bench.step import kernel_shape, largest_tensors
+from wmtp.cli import main
 from wmtp.errors import WmtpError
 from wmtp.presets import preset_config
 
 
 def _args(heads=None, kv_heads=None, head_dim=None) -> argparse.Namespace:
     return argparse.Namespace(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("bench,given,named", [
+    ("step", ["--iters", "0"], "--iters=0"), ("step", ["--context", "0"], "--context=0"),
+    ("step", ["--warmup", "-1"], "--warmup=-1"), ("step", ["--max-admit", "0"], "--max-admit=0"),
+    ("step", ["--page-size", "0"], "--page-size=0"), ("step", ["-d", "0"], "num_draft_tokens (d)=0"),
+    ("step", ["--modes", "dense,weird"], "mode='weird'"), ("step", ["--modes", "windowed:kv-fp9"], "kv-fp9"),
+    ("step", ["--modes", ","], "--modes=','"), ("ttft", ["--chunk", "0"], "--chunk=0"),
+    ("ttft", ["--repeat-suffix", "64"], "--repeat-suffix=64 must be in [1, 63]")])
+def test_bad_options_are_named_before_the_model_loads(bench, given, named, tmp_path, capsys, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the options were checked")
+
+    monkeypatch.setattr(wmtp, "load_model", no_load)
+    out = tmp_path / "x.json"
+    size = ["--context", "64"] if bench == "step" else ["--tokens", "64"]
+    assert main(["bench", bench, "--preset", "tiny-qwen3-next", "--device", "cpu", *size, *given, "--out", str(out)]) == 2
+    assert named in capsys.readouterr().err and not out.exists()
 
 
 def test_kernel_shape_is_the_models_unless_given():

@@ -568,6 +568,37 @@ def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
     return sub
 
 
+def check_bounds(at_least_one: dict[str, float], at_least_zero: dict[str, float]) -> None:
+    """Options by their flag: a value below its bound raises WmtpError naming the flag."""
+    from wmtp.errors import WmtpError
+
+    for low, opts in ((1, at_least_one), (0, at_least_zero)):
+        for opt, v in opts.items():
+            if v < low:
+                raise WmtpError(f"{opt}={v} must be >= {low}")
+
+
+def check_options(a: argparse.Namespace) -> None:
+    """``step`` / ``ttft``'s options, before the model loads or anything is timed: counts and sizes
+    in their bounds, and every mode label a SpecConfig and KV dtype (``parse_mode``, ``_spec``)."""
+    from wmtp.errors import WmtpError
+
+    counts = {"--page-size": a.page_size, "--window": a.window}
+    if a.bench == "step":
+        check_bounds({**counts, "--context": a.context, "--iters": a.iters, "--max-admit": a.max_admit},
+                     {"--warmup": a.warmup, "--accept": a.accept, "--sink": a.sink, "--reserve-gib": a.reserve_gib})
+    else:
+        check_bounds({**counts, "--tokens": a.tokens, "--chunk": a.chunk},
+                     {"--repeat-suffix": a.repeat_suffix, "--sink": a.sink})
+        if a.repeat_suffix >= a.tokens:  # (repeat_prompt's own condition, known before the model loads)
+            raise WmtpError(f"--repeat-suffix={a.repeat_suffix} must be in [1, {a.tokens - 1}] (--tokens={a.tokens})")
+    modes = [m for m in a.modes.split(",") if m]
+    if not modes and not (a.bench == "step" and a.kernels):  # (step --kernels alone: the kernels' file)
+        raise WmtpError(f"--modes={a.modes!r}: name at least one mode")
+    for m in modes:
+        _spec(m, a.d, a.window, a.sink)
+
+
 def run(a: argparse.Namespace) -> int:
     from wmtp.errors import WmtpError
     from wmtp.models.backend import default_backend
@@ -596,6 +627,7 @@ def run(a: argparse.Namespace) -> int:
         from wmtp.bench.kv_dtype import run_kv_logits
 
         return run_kv_logits(a)
+    check_options(a)
     if a.tensor_parallel_size != 1:
         return _run_ranks(a)
     return run_step(a) if a.bench == "step" else run_ttft(a)

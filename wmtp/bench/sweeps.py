@@ -458,16 +458,13 @@ def _options(p: argparse.ArgumentParser, suite: bool) -> None:
 
 def check_options(a: argparse.Namespace, names: list[str]) -> None:
     """Bad values raise WmtpError naming the option."""
+    from wmtp.bench.step import check_bounds
+
     positive = {"--runs": a.runs, "--iters": a.iters, "--warmup": a.warmup, "-d": a.d, "--context": a.context,
                 "--window": a.window, "--page-size": a.page_size, "--max-batch": a.max_batch,
                 "--k-iters": a.k_iters or 1, "--contexts": min(a.contexts), "--windows": min(a.windows),
                 "--batch-ladder": min(a.batch_ladder)}
-    for opt, v in positive.items():
-        if v < 1:
-            raise WmtpError(f"{opt}={v} must be >= 1")
-    for opt, v in {"--accept": a.accept, "--sink": a.sink, "--reserve-gib": a.reserve_gib}.items():
-        if v < 0:
-            raise WmtpError(f"{opt}={v} must be >= 0")
+    check_bounds(positive, {"--accept": a.accept, "--sink": a.sink, "--reserve-gib": a.reserve_gib})
     if a.d < 2 and any(m != "dense" for m in a.modes + a.batch_modes):
         raise WmtpError(f"-d={a.d}: speculative modes need d >= 2")
     if "depth" in names and min(a.depths) < 2:
