@@ -36,3 +36,12 @@ def test_generate_bad_input_is_a_clear_error(tmp_path, capsys):
     assert main(["generate", "--preset", "tiny-llama", "--prompt", "some words", "--max-tokens", "2"]) == 0
     assert main(["generate", "--preset", "tiny-llama", "--prompt", "1 2", "-d", "0"]) == 2
     assert "num_draft_tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "not text"])
+def test_an_unreadable_prompt_file_is_named(kind, tmp_path, capsys):
+    path = {"missing": tmp_path / "nothing.txt", "directory": tmp_path}.get(kind, tmp_path / "bytes.bin")
+    if kind == "not text":
+        path.write_bytes(bytes([0xC3, 0x28, 0xFF]))
+    assert main(["generate", "--preset", "tiny-llama", "--prompt-file", str(path)]) == 2
+    assert f"--prompt-file {path}" in capsys.readouterr().err

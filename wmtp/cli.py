@@ -233,7 +233,12 @@ def generate(a: argparse.Namespace) -> int:
 
     from wmtp.models.backend import default_backend
 
-    prompt = Path(a.prompt_file).read_text() if a.prompt_file else a.prompt
+    prompt = a.prompt
+    if a.prompt_file:
+        try:
+            prompt = Path(a.prompt_file).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise WmtpError(f"--prompt-file {a.prompt_file}: {getattr(e, 'strerror', None) or e}") from None
     backend = default_backend(a.device) if a.backend == "auto" else a.backend
     name, tp = a.model or a.preset, a.tensor_parallel_size
     if tp == 1:
