@@ -38,10 +38,13 @@ def test_generate_bad_input_is_a_clear_error(tmp_path, capsys):
     assert "num_draft_tokens" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command,flag", [(["generate"], "--prompt-file"),
+                                          (["draft-vocab", "--size", "8", "--out", "unused.json"], "--corpus"),
+                                          (["serve"], "--chat-template")])
 @pytest.mark.parametrize("kind", ["missing", "directory", "not text"])
-def test_an_unreadable_prompt_file_is_named(kind, tmp_path, capsys):
+def test_an_unreadable_file_is_named(command, flag, kind, tmp_path, capsys):
     path = {"missing": tmp_path / "nothing.txt", "directory": tmp_path}.get(kind, tmp_path / "bytes.bin")
     if kind == "not text":
         path.write_bytes(bytes([0xC3, 0x28, 0xFF]))
-    assert main(["generate", "--preset", "tiny-llama", "--prompt-file", str(path)]) == 2
-    assert f"--prompt-file {path}" in capsys.readouterr().err
+    assert main([*command, "--preset", "tiny-llama", flag, str(path)]) == 2
+    assert f"{flag} {path}" in capsys.readouterr().err

@@ -17,6 +17,17 @@ def register(name: str, help: str, setup: Setup, run: Run) -> None:
     COMMANDS[name] = (help, setup, run)
 
 
+def _read_text(flag: str, path: str) -> str:
+    """A text file named on the command line; one that cannot be read as UTF-8 text is a WmtpError
+    naming the flag and the path."""
+    from pathlib import Path
+
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise WmtpError(f"{flag} {path}: {getattr(e, 'strerror', None) or e}") from None
+
+
 def _make_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", required=True, help="preset name (see `wmtp presets`)")
     p.add_argument("--out", required=True, help="output directory")
@@ -113,7 +124,6 @@ def _draft_vocab_args(p: argparse.ArgumentParser) -> None:
 
 def draft_vocab(a: argparse.Namespace) -> int:
     import random
-    from pathlib import Path
 
     import wmtp
     from wmtp.engine.draft_vocab import count_tokens, write_rank_file
@@ -131,7 +141,7 @@ def draft_vocab(a: argparse.Namespace) -> int:
         from wmtp.workloads.corpora import CORPORA, load_corpus
 
         texts = [text for c in a.corpus for text in ([d for _, d in load_corpus(c)] if c in CORPORA
-                                                      else [Path(c).read_text()])]
+                                                      else [_read_text("--corpus", c)])]
         counts = count_tokens(tok.encode(t) for t in texts)
         source = {"corpus": list(a.corpus), "documents": len(texts), "model": name}
     else:
@@ -221,8 +231,6 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def generate(a: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from tqdm import tqdm
 
     from wmtp.engine.config import EngineConfig
@@ -233,12 +241,7 @@ def generate(a: argparse.Namespace) -> int:
 
     from wmtp.models.backend import default_backend
 
-    prompt = a.prompt
-    if a.prompt_file:
-        try:
-            prompt = Path(a.prompt_file).read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise WmtpError(f"--prompt-file {a.prompt_file}: {getattr(e, 'strerror', None) or e}") from None
+    prompt = _read_text("--prompt-file", a.prompt_file) if a.prompt_file else a.prompt
     backend = default_backend(a.device) if a.backend == "auto" else a.backend
     name, tp = a.model or a.preset, a.tensor_parallel_size
     if tp == 1:
@@ -364,8 +367,9 @@ def serve(a: argparse.Namespace) -> int:
     if a.max_pending_requests < 1:
         raise WmtpError(f"--max-pending-requests={a.max_pending_requests} must be >= 1")
     spec = _spec(a)
+    given = _read_text("--chat-template", a.chat_template) if a.chat_template else None  # before the model loads
     llm = LLM(a.model or a.preset, spec=spec, device=a.device, dtype=a.dtype, seed=a.seed, **_serve_engine_args(a))
-    template = Path(a.chat_template).read_text() if a.chat_template else find_chat_template(llm.tokenizer, a.model)
+    template = given or find_chat_template(llm.tokenizer, a.model)
     name = a.served_model_name or (Path(a.model).resolve().name if a.model else a.preset)
     app = create_app(llm.engine, llm.tokenizer, name, chat_template=template,
                      eos_token_ids=checkpoint_eos_ids(a.model, llm.tokenizer), max_pending=a.max_pending_requests)
