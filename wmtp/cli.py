@@ -369,7 +369,7 @@ def serve(a: argparse.Namespace) -> int:
     spec = _spec(a)
     given = _read_text("--chat-template", a.chat_template) if a.chat_template else None  # before the model loads
     llm = LLM(a.model or a.preset, spec=spec, device=a.device, dtype=a.dtype, seed=a.seed, **_serve_engine_args(a))
-    template = given or find_chat_template(llm.tokenizer, a.model)
+    template = given if given is not None else find_chat_template(llm.tokenizer, a.model)
     name = a.served_model_name or (Path(a.model).resolve().name if a.model else a.preset)
     app = create_app(llm.engine, llm.tokenizer, name, chat_template=template,
                      eos_token_ids=checkpoint_eos_ids(a.model, llm.tokenizer), max_pending=a.max_pending_requests)
