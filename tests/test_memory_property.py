@@ -438,4 +438,3 @@ def test_engine_random_ops_no_leak(engine_case):
     if caps["pages"] < math.ceil((L + SPEC.num_draft_tokens) / eng.eng.page_size):
         assert ops["refused_pages"] >= 1, ops
     print(f"{preset}: ops={dict(ops)} drain_steps={drain_steps} finish={dict(reasons)}")
-

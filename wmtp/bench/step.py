@@ -56,6 +56,11 @@ def parse_mode(mode: str) -> tuple[str, int | None, str]:
     return base, vocab, kv
 
 
+def mode_labels(a: argparse.Namespace) -> list[str]:
+    """``--modes``' labels, in order (empty items dropped)."""
+    return [m for m in a.modes.split(",") if m]
+
+
 def _spec(mode: str, d: int, window: int, sink: int) -> SpecConfig:
     """The SpecConfig of a mode label (``parse_mode``)."""
     base, k, _ = parse_mode(mode)
@@ -355,7 +360,7 @@ def run_step(a: argparse.Namespace, bw: dict | None = None, tp: TPGroup | None =
     bw = bw or step_bandwidth(device)
     model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend, tp=tp)
     shape = kernel_shape(a, model.config) if a.kernels else None
-    modes = [m for m in a.modes.split(",") if m]
+    modes = mode_labels(a)
     rows = [time_mode(model, m, a, bw["read_bytes_per_s"]) for m in modes]
     by = {r["mode"]: r for r in rows}
     summary = {}
@@ -466,7 +471,7 @@ def run_ttft(a: argparse.Namespace, tp: TPGroup | None = None) -> int:
     model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend, tp=tp)
     prompt = torch.randint(1, model.config.vocab_size, (a.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     warm = min(a.tokens, 2 * a.chunk + 1)
-    modes = a.modes.split(",")
+    modes = mode_labels(a)
     from wmtp.kernels.flash_prefill import library_version
 
     fa4 = library_version(torch.device(a.device)) if a.backend == "triton" else None
@@ -592,7 +597,7 @@ def check_options(a: argparse.Namespace) -> None:
                      {"--repeat-suffix": a.repeat_suffix, "--sink": a.sink})
         if a.repeat_suffix >= a.tokens:  # (repeat_prompt's own condition, known before the model loads)
             raise WmtpError(f"--repeat-suffix={a.repeat_suffix} must be in [1, {a.tokens - 1}] (--tokens={a.tokens})")
-    modes = [m for m in a.modes.split(",") if m]
+    modes = mode_labels(a)
     if not modes and not (a.bench == "step" and a.kernels):  # (step --kernels alone: the kernels' file)
         raise WmtpError(f"--modes={a.modes!r}: name at least one mode")
     for m in modes:
