@@ -26,9 +26,10 @@ def _ints(*names: str) -> dict[str, str]:
 
 
 # the skinny linear's arguments but W / S (the format's)
-LINEAR_TYPES = {"X": "*bf16", "R": "*fp32", "BIAS": "*bf16", "OUT": "*bf16",
+LINEAR_TYPES = {"X": "*bf16", "R": "*fp32", "BIAS": "*bf16", "ADD": "*bf16", "OUT": "*bf16",
                 "PART": "*fp32", "COUNT": "*i32",
-                **dict.fromkeys(("T", "N", "K", "stride_xt", "stride_wn", "stride_sn", "stride_ot", "K_SPLIT"), "i32")}
+                **dict.fromkeys(("T", "N", "K", "stride_xt", "stride_wn", "stride_sn", "stride_at", "stride_ot", "K_SPLIT"),
+                                "i32")}
 
 
 def cases() -> dict[str, tuple]:
@@ -43,21 +44,23 @@ def cases() -> dict[str, tuple]:
         out[f"skinny_linear-{fmt}-cvt{int(cvt)}-splits{splits}-n{n}"] = (
             "wmtp.kernels.linear:_skinny_linear_kernel",
             {**LINEAR_TYPES, "W": w, "S": s},
-            dict(FORMAT=code, HAS_BIAS=True, SPLITS=splits, WIDEN=False, PREC="tf32", T_P=16, BLOCK_N=tiles.block_n,
-                 BLOCK_K=tiles.block_k, CVT=cvt, GEMV=False, PDL=True),
+            # the epilogue's ReLU² and residual sum (Nemotron-H's ReLU² and latent MoE projections) at 2048 outputs
+            dict(FORMAT=code, HAS_BIAS=True, RELU2=n == 2048, HAS_ADD=n == 2048, SPLITS=splits, WIDEN=False, PREC="tf32",
+                 T_P=16, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, CVT=cvt, GEMV=False, PDL=True),
             {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
     # a 16-bit weight through the same split_dot (the linears that stay in the checkpoint's dtype)
     out["skinny_linear-bf16"] = ("wmtp.kernels.linear:_skinny_linear_kernel", {**LINEAR_TYPES, "W": "*bf16", "S": "*bf16"},
-                                 dict(FORMAT=0, HAS_BIAS=False, SPLITS=4, WIDEN=False, PREC="tf32", T_P=16, BLOCK_N=32,
-                                      BLOCK_K=256, CVT=False, GEMV=False, PDL=True), {"num_warps": 4})
+                                 dict(FORMAT=0, HAS_BIAS=False, RELU2=False, HAS_ADD=False, SPLITS=4, WIDEN=False,
+                                      PREC="tf32", T_P=16, BLOCK_N=32, BLOCK_K=256, CVT=False, GEMV=False, PDL=True),
+                                 {"num_warps": 4})
     # the one-row FMA path (LinearTiles.gemv): NVFP4's default (4 warps), FP8's up to 4096 outputs (32 x 128, 8 warps)
     for (fmt, cvt), (bn, bk) in itertools.product(CVT, ((8, 256), (16, 256), (32, 128))):
         code, w, s = QUANT_FORMATS[fmt]
         out[f"skinny_linear_gemv-{fmt}-cvt{int(cvt)}-{bn}x{bk}"] = (
             "wmtp.kernels.linear:_skinny_linear_kernel",
             {**LINEAR_TYPES, "W": w, "S": s},
-            dict(FORMAT=code, HAS_BIAS=False, SPLITS=4, WIDEN=False, PREC="tf32", T_P=1, BLOCK_N=bn,
-                 BLOCK_K=min(bk, 128) if fmt == "fp8" else bk, CVT=cvt, GEMV=True, PDL=True),
+            dict(FORMAT=code, HAS_BIAS=False, RELU2=bn == 32, HAS_ADD=bn == 32, SPLITS=4, WIDEN=False, PREC="tf32",
+                 T_P=1, BLOCK_N=bn, BLOCK_K=min(bk, 128) if fmt == "fp8" else bk, CVT=cvt, GEMV=True, PDL=True),
             {"num_warps": 8 if fmt == "fp8" else 4})
     from wmtp.kernels.moe import down_combine_tiles, pair_tiles
 

@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 
 from tests.helpers import close_to_twin as _close  # noqa: E402
 
+from wmtp.kernels.common import linear_epilogue  # noqa: E402
 from wmtp.kernels.linear import MAX_ROWS, QUANT_MAX_ROWS, LinearTiles, decode_linear, skinny_linear  # noqa: E402
 from wmtp.quant import FP8Block, FP8Tensor, NVFP4, QuantWeight  # noqa: E402
 
@@ -58,6 +59,35 @@ def test_quant_linear_rows_beyond_fp16s_range(fmt):
     assert torch.isfinite(got).all()
     for r in range(3):
         assert _close(got[r], want[r]), r
+
+
+@pytest.mark.parametrize("fmt", [None, NVFP4(), FP8Block()], ids=["bf16", "nvfp4", "fp8"])
+@pytest.mark.parametrize("rows,tiles", [(1, LinearTiles(16, 32, 3, 4, gemv=True)), (7, LinearTiles(16, 32, 1, 4)),
+                                        (7, LinearTiles(32, 64, 3, 4))], ids=["gemv_split", "dots", "dots_split"])
+def test_epilogue_in_the_launch_matches_the_ops_after_f_linear(fmt, rows, tiles):
+    """ReLU² and a residual sum in the kernel's epilogue (a ReLU² MLP's up projection, the shared
+    expert's down projection summed with the routed experts'): as ``linear_epilogue`` after the
+    kernel's own linear (each op rounded to bf16; against ``F.linear``'s the square would double its
+    summation-order difference), on every path the output takes (one launch, or the last split to
+    arrive)."""
+    w = _weight(fmt or NVFP4(), [40, 30], 160, seed=rows)
+    w = w.dequantize(torch.bfloat16) if fmt is None else w
+    if fmt is None and tiles.gemv:
+        tiles = tiles._replace(gemv=False)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, 160, generator=g).to(DEVICE, torch.bfloat16)
+    add = torch.randn(rows, 70, generator=g).to(DEVICE, torch.bfloat16)
+    y = skinny_linear(x, w, tiles=tiles)
+    assert _close(y, F.linear(x, w if fmt is None else w.dequantize(torch.bfloat16)))
+    assert _close(skinny_linear(x, w, tiles=tiles, relu2=True), linear_epilogue(y, relu2=True))
+    assert _close(skinny_linear(x, w, tiles=tiles, add=add), linear_epilogue(y, add=add))
+    assert _close(skinny_linear(x, w, tiles=tiles, relu2=True, add=add), linear_epilogue(y, True, add))
+    y = decode_linear(x, w)  # the engine's entry: the kernel at its own tiles, or cuBLAS and the ops after it
+    assert _close(decode_linear(x, w, relu2=True, add=add), linear_epilogue(y, True, add))
+    wide = torch.randn(rows, 2 * 70, generator=g).to(DEVICE, torch.bfloat16)  # no unit stride on N: after the linear
+    assert _close(decode_linear(x, w, add=wide[:, ::2]), linear_epilogue(y, add=wide[:, ::2]))
+    with pytest.raises(ValueError, match=r"skinny_linear: add \(7, 69\) torch.bfloat16 must be \(7, 70\)"):
+        skinny_linear(torch.zeros(7, 160, device=DEVICE, dtype=torch.bfloat16), w, add=add[:1].expand(7, 70)[:, :69])
 
 
 def test_quant_linear_above_the_kernels_rows_dequantizes():

@@ -20,6 +20,14 @@ def acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
+def linear_epilogue(y: torch.Tensor, relu2: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+    """What a linear may apply to its output ``y`` (``Backend.linear``; ``skinny_linear`` in its
+    own launch), as PyTorch ops, each rounded to y's dtype: ``relu(y)^2`` with ``relu2``, then ``+ add``."""
+    if relu2:
+        y = torch.relu(y).square()
+    return y if add is None else y + add
+
+
 class SharedExpert(NamedTuple):
     """The sigmoid-gated shared expert of a MoE layer: SwiGLU weights gate_proj, up_proj [I, H],
     down_proj [H, I] and the gate [1, H] (``out += sigmoid(gate @ x) * mlp(x)``)."""

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from wmtp.kernels.common import arrival_counters, launch_tile, pdl
+from wmtp.kernels.common import arrival_counters, launch_tile, linear_epilogue, pdl
 from wmtp.kernels.quant_tiles import FP8_CODE, NVFP4_CODE, dequantize, e2m1_cvt, kernel_weight
 from wmtp.quant import QuantWeight
 
@@ -79,10 +79,33 @@ if triton is not None:
         return tl.trans(acc) if FORMAT == 1 else acc
 
     @triton.jit
-    def _skinny_linear_kernel(X, W, S, R, BIAS, OUT, PART, COUNT, T, N, K, stride_xt, stride_wn, stride_sn, stride_ot,
-                              K_SPLIT, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
+    def _finish(acc, R, BIAS, ADD, OUT, stride_at, ts, cols, col_ok, out_ok, FORMAT: tl.constexpr,
+                HAS_BIAS: tl.constexpr, RELU2: tl.constexpr, HAS_ADD: tl.constexpr):
+        """The output tile from the fp32 sums: NVFP4's row scale, the bias, rounded to OUT's dtype; then
+        RELU2 ``relu(y)^2`` and HAS_ADD ``y + ADD[ts, cols]``, each rounded to OUT's dtype as the
+        PyTorch ops after ``F.linear`` round."""
+        dt = OUT.dtype.element_ty
+        acc = row_scale(acc, R, cols[None, :], col_ok[None, :], FORMAT)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(dt)
+        if RELU2:
+            r = tl.maximum(y.to(tl.float32), 0.0)
+            y = (r * r).to(dt)
+        if HAS_ADD:
+            a = tl.load(ADD + ts[:, None] * stride_at + cols[None, :], mask=out_ok, other=0.0)
+            y = (y.to(tl.float32) + a.to(tl.float32)).to(dt)
+        return y
+
+    @triton.jit
+    def _skinny_linear_kernel(X, W, S, R, BIAS, ADD, OUT, PART, COUNT, T, N, K, stride_xt, stride_wn, stride_sn,
+                              stride_at, stride_ot, K_SPLIT, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              RELU2: tl.constexpr, HAS_ADD: tl.constexpr, SPLITS: tl.constexpr,
                               WIDEN: tl.constexpr, PREC: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, CVT: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr):
+        """``_finish(x @ W.T)`` for the rows ``ts`` < T (T_P of them; one with GEMV) and column block
+        ``program_id(0)``, over K split ``program_id(1)`` of SPLITS: split partial sums go to PART and
+        the column block's last program to arrive (COUNT) sums them in split order."""
         wait_prior(PDL)
         nb = tl.program_id(0)
         s = tl.program_id(1)
@@ -103,10 +126,8 @@ if triton is not None:
         out_ptr = OUT + ts[:, None] * stride_ot + cols[None, :]
         out_ok = t_ok[:, None] & col_ok[None, :]
         if SPLITS == 1:
-            acc = row_scale(acc, R, cols[None, :], col_ok[None, :], FORMAT)
-            if HAS_BIAS:
-                acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr, acc.to(OUT.dtype.element_ty), mask=out_ok)
+            tl.store(out_ptr, _finish(acc, R, BIAS, ADD, OUT, stride_at, ts, cols, col_ok, out_ok, FORMAT, HAS_BIAS,
+                                      RELU2, HAS_ADD), mask=out_ok)
         else:
             part = PART + ts[:, None] * N + cols[None, :]
             tl.store(part + s * T * N, acc, mask=out_ok)
@@ -114,10 +135,8 @@ if triton is not None:
                 total = tl.zeros([T_P, BLOCK_N], tl.float32)
                 for j in range(SPLITS):
                     total += tl.load(part + j * T * N, mask=out_ok, other=0.0, cache_modifier=".cg")
-                total = row_scale(total, R, cols[None, :], col_ok[None, :], FORMAT)
-                if HAS_BIAS:
-                    total += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-                tl.store(out_ptr, total.to(OUT.dtype.element_ty), mask=out_ok)
+                tl.store(out_ptr, _finish(total, R, BIAS, ADD, OUT, stride_at, ts, cols, col_ok, out_ok, FORMAT,
+                                          HAS_BIAS, RELU2, HAS_ADD), mask=out_ok)
 
 
 def linear_tiles(rows: int, n: int, k: int) -> LinearTiles | None:
@@ -217,12 +236,15 @@ def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None,
-                  tiles: LinearTiles | None = None) -> torch.Tensor:
+                  tiles: LinearTiles | None = None, relu2: bool = False,
+                  add: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [..., K] of at most ``MAX_ROWS`` rows (flattened; a
     quantized weight takes up to ``QUANT_MAX_ROWS``); weight [N, K] with unit stride on K, in x's
     dtype (or 16-bit for an fp32 x) or quantized (``wmtp.quant``: read packed, dequantized in
     registers). ``tiles`` overrides ``linear_tiles``' / ``quant_tiles``' choice (``linear_tiles``
-    falls back to a single 16 x 128 program per K split where it would choose cuBLAS)."""
+    falls back to a single 16 x 128 program per K split where it would choose cuBLAS). In the
+    same launch, as ``linear_epilogue`` after ``F.linear``: ``relu2``, then ``add`` (x's leading
+    shape by N)."""
     K = x.shape[-1]
     quant = isinstance(weight, QuantWeight)
     if len(weight.shape) != 2 or weight.shape[1] != K or not quant and (weight.stride(1) != 1 or not _takes(x, weight)):
@@ -232,6 +254,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
     kw = kernel_weight("skinny_linear", weight)
     x2, out = skinny_rows("skinny_linear", x, weight.shape[0], bias, QUANT_MAX_ROWS if quant else MAX_ROWS)
     T, N = out.shape
+    if add is not None:
+        if add.shape != (*x.shape[:-1], N) or add.dtype != x.dtype or add.stride(-1) != 1:
+            raise ValueError(f"skinny_linear: add {tuple(add.shape)} {add.dtype} must be {(*x.shape[:-1], N)} "
+                             f"{x.dtype} with unit stride on N")
+        add = add.reshape(T, N)
     if T and N:
         default = quant_tiles(T, N, K, kw.format) if quant else linear_tiles(T, N, K) or LinearTiles(16, 128, 1, 4)
         cfg = tiles or default
@@ -252,32 +279,36 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
         # (Triton 3.6; the 16-row dot is what the kernel is verified with), so more rows re-read the weight
         for lo in range(0, T, MAX_ROWS):
             xs, outs, t = x2[lo:lo + MAX_ROWS], out[lo:lo + MAX_ROWS], min(MAX_ROWS, T - lo)
+            adds = outs if add is None else add[lo:lo + MAX_ROWS]
             part = torch.empty(splits, t, N, device=x.device, dtype=torch.float32) if splits > 1 else outs
             _skinny_linear_kernel[(blocks, splits)](
-                xs, kw.weight, kw.scale, kw.rows, outs if bias is None else bias, outs, part,
+                xs, kw.weight, kw.scale, kw.rows, outs if bias is None else bias, adds, outs, part,
                 arrival_counters(x.device, blocks), t, N, K, xs.stride(0), kw.weight.stride(0), kw.scale.stride(0),
-                outs.stride(0), k_split, FORMAT=kw.format, HAS_BIAS=bias is not None, SPLITS=splits,
+                adds.stride(0), outs.stride(0), k_split, FORMAT=kw.format, HAS_BIAS=bias is not None, RELU2=relu2,
+                HAS_ADD=add is not None, SPLITS=splits,
                 T_P=1 if cfg.gemv else MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=bk, GEMV=cfg.gemv,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 **dot_flags(x.dtype), **e2m1_cvt(x.device), **pdl(x.device))
     return out.view(*x.shape[:-1], N)
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, through ``skinny_linear`` where ``linear_tiles`` picks the kernel over cuBLAS
-    (and for an fp32 x over a 16-bit weight, read as it is, up to ``MAX_ROWS`` rows);
-    a quantized weight through ``skinny_linear`` up to ``QUANT_MAX_ROWS`` rows, above them
-    dequantized, then one GEMM (prefill)."""
+def decode_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None,
+                  relu2: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear_epilogue(F.linear(x, weight, bias), relu2, add)``, through ``skinny_linear`` (the
+    epilogue in its launch) where ``linear_tiles`` picks the kernel over cuBLAS (and for an fp32 x
+    over a 16-bit weight, read as it is, up to ``MAX_ROWS`` rows); a quantized weight through
+    ``skinny_linear`` up to ``QUANT_MAX_ROWS`` rows, above them dequantized, then one GEMM (prefill)."""
     rows = x.numel() // max(x.shape[-1], 1)
+    fused = add is None or (add.dtype == x.dtype and add.stride(-1) == 1)
     if isinstance(weight, QuantWeight):
-        if rows <= QUANT_MAX_ROWS and x.dtype != torch.float64:
-            return skinny_linear(x, weight, bias)
-        return F.linear(x, dequantize(weight, x.dtype), bias)
+        if rows <= QUANT_MAX_ROWS and x.dtype != torch.float64 and fused:
+            return skinny_linear(x, weight, bias, relu2=relu2, add=add)
+        return linear_epilogue(F.linear(x, dequantize(weight, x.dtype), bias), relu2, add)
     if weight.dtype != x.dtype:
-        if _takes(x, weight) and rows <= MAX_ROWS and weight.stride(-1) == 1:
-            return skinny_linear(x, weight, bias)
-        return F.linear(x, weight.to(x.dtype), bias)
+        if _takes(x, weight) and rows <= MAX_ROWS and weight.stride(-1) == 1 and fused:
+            return skinny_linear(x, weight, bias, relu2=relu2, add=add)
+        return linear_epilogue(F.linear(x, weight.to(x.dtype), bias), relu2, add)
     tiles = linear_tiles(rows, weight.shape[0], weight.shape[1])
-    if tiles is None or x.dtype == torch.float64 or weight.stride(-1) != 1:
-        return F.linear(x, weight, bias)
-    return skinny_linear(x, weight, bias)  # which takes linear_tiles' choice itself
+    if tiles is None or x.dtype == torch.float64 or weight.stride(-1) != 1 or not fused:
+        return linear_epilogue(F.linear(x, weight, bias), relu2, add)
+    return skinny_linear(x, weight, bias, relu2=relu2, add=add)  # which takes linear_tiles' choice itself

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from wmtp.config import Mamba2Shape
 from wmtp.engine.window import causal_key_positions
-from wmtp.kernels.common import SharedExpert, SigmoidRouting, acc_dtype
+from wmtp.kernels.common import SharedExpert, SigmoidRouting, acc_dtype, linear_epilogue
 from wmtp.models.context import ForwardContext
 from wmtp.models.rope import apply_rotary
 from wmtp.quant import QuantWeight, bytewise, dense, dequantize_kv, quantize_kv
@@ -56,11 +56,12 @@ class Backend(ABC):
         return torch.cat([self.rms_norm(F.embedding(ids, embed), w_e, eps, offset),
                           self.rms_norm(hidden, w_h, eps, offset)], dim=-1)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None
-               ) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None,
+               relu2: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear``: the model's projections and the draft's lm_head (``draft_logits``); a
-        quantized weight through its reference dequantization."""
-        return F.linear(x, dense(weight, x.dtype), bias)
+        quantized weight through its reference dequantization. ``relu2`` / ``add``: the
+        ``linear_epilogue`` after it (ReLU² MLPs' up projection; a residual branch summed into it)."""
+        return linear_epilogue(F.linear(x, dense(weight, x.dtype), bias), relu2, add)
 
     def argmax(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Greedy choice ``logits.argmax(-1)`` of logits [T, V] as int64, written into ``out`` ([T],
@@ -473,10 +474,11 @@ class TritonBackend(TorchBackend):
 
         return embed_norm_cat(ids, embed, hidden, w_e, w_h, eps, offset)
 
-    def linear(self, x, weight, bias=None):
+    def linear(self, x, weight, bias=None, relu2=False, add=None):
         from wmtp.kernels.linear import decode_linear
 
-        return decode_linear(x, weight, bias)  # quantized: in-register dequantization, or dequantized for a GEMM
+        # quantized: in-register dequantization, or dequantized for a GEMM; the epilogue in the kernel's launch
+        return decode_linear(x, weight, bias, relu2, add)
 
     def argmax(self, logits, out=None):
         if logits.dtype == torch.float64:

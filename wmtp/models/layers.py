@@ -70,8 +70,9 @@ class Linear(nn.Linear):
         """What the backend multiplies by: the weight tensor, or the quantized weight."""
         return self.weight if self.quant is None else quant_weight(self, self.quant, self.in_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.linear(x, self.qweight(), self.bias)
+    def forward(self, x: torch.Tensor, relu2: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+        """``relu2`` / ``add``: ``Backend.linear``'s epilogue (in the kernel's launch where it runs)."""
+        return self.backend.linear(x, self.qweight(), self.bias, relu2, add)
 
 
 class PackedLinear(Linear):

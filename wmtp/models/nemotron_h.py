@@ -19,7 +19,6 @@ backend's ``mamba2`` op, the routed experts through its ``relu2_moe``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from wmtp.config import ModelConfig
@@ -73,8 +72,9 @@ class ReLU2MLP(nn.Module):
         self.up_proj = Linear(hidden, inter, False, backend)
         self.down_proj = Linear(inter, hidden, False, backend)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.relu(self.up_proj(x)).square())
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """``down(relu(up x)^2)`` (+ ``add``), the ReLU² and the sum in the projections' epilogues."""
+        return self.down_proj(self.up_proj(x, relu2=True), add=add)
 
 
 class LatentMoE(nn.Module):
@@ -102,7 +102,7 @@ class LatentMoE(nn.Module):
         routed = self.backend.relu2_moe(x, latent, routing, *self.experts.weights())
         if c.moe_latent_size:
             routed = self.fc2_latent_proj(routed)
-        return routed + self.shared_experts(x)
+        return self.shared_experts(x, add=routed)
 
 
 class NemotronHBlock(nn.Module):
