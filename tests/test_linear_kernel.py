@@ -9,7 +9,8 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from wmtp.kernels.common import MAX_COUNTERS, arrival_counters  # noqa: E402
-from wmtp.kernels.linear import MAX_ROWS, LinearTiles, decode_linear, linear_tiles, skinny_linear  # noqa: E402
+from wmtp.kernels.linear import (MAX_ROWS, LinearTiles, decode_linear, fp32_linear, linear_tiles,  # noqa: E402
+                                 skinny_linear)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16 = pytest.param(torch.bfloat16, id="bf16")
@@ -46,6 +47,20 @@ def test_a_one_row_vocab_projection_takes_the_kernel():
     x = torch.randn(1, 64, generator=g).to(DEVICE)
     w = (torch.randn(20_000, 64, generator=g) * 0.125).to(DEVICE)
     assert _close(decode_linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("rows", [1, 7, MAX_ROWS + 3])  # the kernel, and F.linear past its rows
+def test_fp32_linear_of_a_16_bit_x_equals_the_widened_copy(rows):
+    """A router's fp32 logits from bf16 x and weight, x widened in the kernel's registers: the same
+    bits as the kernel over an fp32 copy of x (the same tiles and ieee products), and F.linear's."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 200, generator=g).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(70, 200, generator=g) * 200**-0.5).to(DEVICE, torch.bfloat16)
+    got = fp32_linear(x, w)
+    assert got.dtype == torch.float32 and torch.equal(got, decode_linear(x.float(), w))
+    assert _close(got, F.linear(x.float(), w.float()))
+    with pytest.raises(ValueError, match="skinny_linear: out_dtype torch.float16 for torch.bfloat16 x"):
+        skinny_linear(x[:1], w, out_dtype=torch.float16)
 
 
 def test_skinny_linear_keeps_leading_dims_and_strided_rows():

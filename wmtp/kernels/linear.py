@@ -216,43 +216,50 @@ def dot_flags(dtype: torch.dtype) -> dict[str, object]:
             "PREC": "ieee" if dtype == torch.float32 else "tf32"}
 
 
-def skinny_rows(name: str, x: torch.Tensor, n: int, bias: torch.Tensor | None,
-                max_rows: int = MAX_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+def skinny_rows(name: str, x: torch.Tensor, n: int, bias: torch.Tensor | None, max_rows: int = MAX_ROWS,
+                out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The checks a skinny kernel's input passes (at most ``max_rows`` rows, a bias of ``n``): x as
-    [T, K] with unit-stride rows, and the empty [T, n] output."""
+    [T, K] with unit-stride rows, and the empty [T, n] output (x's dtype, or ``out_dtype``)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] > max_rows:
         raise ValueError(f"{name}: x has {x2.shape[0]} rows; at most {max_rows}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"{name}: bias {tuple(bias.shape)} must be [{n}]")
-    out = torch.empty(x2.shape[0], n, device=x.device, dtype=x.dtype)
+    out = torch.empty(x2.shape[0], n, device=x.device, dtype=out_dtype or x.dtype)
     return (x2 if x2.stride(1) == 1 else x2.contiguous()), out
 
 
-def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """A float weight the kernel reads for x: x's dtype, or 16 bits for an fp32 x (widened in
-    registers: an fp32 router over its bf16 checkpoint weight, without an fp32 copy)."""
-    return weight.dtype == x.dtype or x.dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16)
+def _takes(dtype: torch.dtype, weight: torch.Tensor) -> bool:
+    """A float weight the kernel reads for products in ``dtype`` (x's, or fp32 for an fp32 result):
+    that dtype, or 16 bits for fp32 (widened in registers: an fp32 router over its bf16 checkpoint
+    weight, without an fp32 copy)."""
+    return weight.dtype == dtype or dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None,
-                  tiles: LinearTiles | None = None, relu2: bool = False,
-                  add: torch.Tensor | None = None) -> torch.Tensor:
+                  tiles: LinearTiles | None = None, relu2: bool = False, add: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [..., K] of at most ``MAX_ROWS`` rows (flattened; a
     quantized weight takes up to ``QUANT_MAX_ROWS``); weight [N, K] with unit stride on K, in x's
     dtype (or 16-bit for an fp32 x) or quantized (``wmtp.quant``: read packed, dequantized in
     registers). ``tiles`` overrides ``linear_tiles``' / ``quant_tiles``' choice (``linear_tiles``
     falls back to a single 16 x 128 program per K split where it would choose cuBLAS). In the
     same launch, as ``linear_epilogue`` after ``F.linear``: ``relu2``, then ``add`` (x's leading
-    shape by N)."""
+    shape by N). ``out_dtype=torch.float32`` for a 16-bit x over a float weight: ``F.linear(x.float(),
+    weight.float())``, x widened in registers (no fp32 copy of it)."""
     K = x.shape[-1]
     quant = isinstance(weight, QuantWeight)
-    if len(weight.shape) != 2 or weight.shape[1] != K or not quant and (weight.stride(1) != 1 or not _takes(x, weight)):
+    if out_dtype not in (None, x.dtype) and (quant or out_dtype != torch.float32 or add is not None):
+        raise ValueError(f"skinny_linear: out_dtype {out_dtype} for {x.dtype} x: only torch.float32, over a float "
+                         f"weight, without add")
+    wide = out_dtype == torch.float32  # the products and sums of an fp32 x
+    if len(weight.shape) != 2 or weight.shape[1] != K or not quant and (
+            weight.stride(1) != 1 or not _takes(torch.float32 if wide else x.dtype, weight)):
         kind = weight.format.name if quant else weight.dtype
         raise ValueError(f"skinny_linear: weight {tuple(weight.shape)} {kind} must be [N, {K}] {'' if quant else x.dtype} "
                          f"with unit stride on K (x {tuple(x.shape)})")
     kw = kernel_weight("skinny_linear", weight)
-    x2, out = skinny_rows("skinny_linear", x, weight.shape[0], bias, QUANT_MAX_ROWS if quant else MAX_ROWS)
+    x2, out = skinny_rows("skinny_linear", x, weight.shape[0], bias, QUANT_MAX_ROWS if quant else MAX_ROWS, out_dtype)
     T, N = out.shape
     if add is not None:
         if add.shape != (*x.shape[:-1], N) or add.dtype != x.dtype or add.stride(-1) != 1:
@@ -288,7 +295,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
                 HAS_ADD=add is not None, SPLITS=splits,
                 T_P=1 if cfg.gemv else MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=bk, GEMV=cfg.gemv,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                **dot_flags(x.dtype), **e2m1_cvt(x.device), **pdl(x.device))
+                **dot_flags(out.dtype if wide else x.dtype), **e2m1_cvt(x.device), **pdl(x.device))
     return out.view(*x.shape[:-1], N)
 
 
@@ -305,10 +312,20 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
             return skinny_linear(x, weight, bias, relu2=relu2, add=add)
         return linear_epilogue(F.linear(x, dequantize(weight, x.dtype), bias), relu2, add)
     if weight.dtype != x.dtype:
-        if _takes(x, weight) and rows <= MAX_ROWS and weight.stride(-1) == 1 and fused:
+        if _takes(x.dtype, weight) and rows <= MAX_ROWS and weight.stride(-1) == 1 and fused:
             return skinny_linear(x, weight, bias, relu2=relu2, add=add)
         return linear_epilogue(F.linear(x, weight.to(x.dtype), bias), relu2, add)
     tiles = linear_tiles(rows, weight.shape[0], weight.shape[1])
     if tiles is None or x.dtype == torch.float64 or weight.stride(-1) != 1 or not fused:
         return linear_epilogue(F.linear(x, weight, bias), relu2, add)
     return skinny_linear(x, weight, bias, relu2=relu2, add=add)  # which takes linear_tiles' choice itself
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x.float(), weight.float())`` (a router's logits over its 16-bit weight): through
+    ``skinny_linear`` up to ``MAX_ROWS`` rows, x widened in registers (no fp32 copy of x or the weight)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and weight.stride(-1) == 1 \
+            and _takes(torch.float32, weight):
+        return skinny_linear(x, weight, out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from wmtp.kernels.act_mul import SILU, act_mul
 from wmtp.kernels.common import SharedExpert, SigmoidRouting, launch_tile, pdl
-from wmtp.kernels.linear import decode_linear
+from wmtp.kernels.linear import decode_linear, fp32_linear
 from wmtp.kernels.quant_tiles import (FLOAT, FP8_CODE, NVFP4_CODE, KernelWeight, dequantize, e2m1_cvt, hfma_default,
                                        hfma_ready, kernel_weight, same_layout, x_groups)
 from wmtp.quant import QuantWeight, dense
@@ -728,9 +728,9 @@ def grouped_experts(x: torch.Tensor, first: Weight, down: Weight, top_w: torch.T
 def relu2_moe_gemv(x: torch.Tensor, latent: torch.Tensor, routing: SigmoidRouting, up: Weight,
                    down: Weight) -> torch.Tensor:
     """``Backend.relu2_moe`` at decode sizes (one router group): the router GEMM in fp32 over its
-    16-bit weight (``decode_linear``), then three launches (sigmoid route, ReLU² up per pair, down
+    16-bit weight (``fp32_linear``), then three launches (sigmoid route, ReLU² up per pair, down
     + combine)."""
-    r = route_topk(decode_linear(x.float(), routing.weight), routing.top_k, routing.norm_topk_prob,
+    r = route_topk(fp32_linear(x, routing.weight), routing.top_k, routing.norm_topk_prob,
                    sigmoid_bias=routing.bias, scale=routing.scale)
     h = relu2_gemv(latent, up, r.experts.view(-1), routing.top_k)
     return down_combine(h, down, r.experts, r.weights, routing.top_k)
