@@ -10,8 +10,9 @@
 # TTFT1M (dense,native,windowed), the presets profiled at 1.04M with PROFILE; the suite
 # resumes from $WORK (kept on the machine between calls); every part stops by $DEADLINE seconds.
 #   run from the repo root with WMTP_COMMIT set to the commit the tree holds; everything lands in
-#   $OUT/results.tgz (+ log.txt), refreshed after each part. Pure-Python wheels in .whl/ (fla-core)
-#   are installed first.
+#   $OUT/results.tgz (+ log.txt), refreshed after each part. Pure-Python wheels in .whl/ (fla-core;
+#   on a fresh checkout `pip download --no-deps fla-core==0.6.0 -d .whl`, carried as ".whl") are
+#   installed first.
 set -o pipefail
 OUT=${OUT:-h200_out}
 WORK=${WORK:-/tmp/wmtp_results}
