@@ -322,10 +322,10 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x.float(), weight.float())`` (a router's logits over its 16-bit weight): through
-    ``skinny_linear`` up to ``MAX_ROWS`` rows, x widened in registers (no fp32 copy of x or the weight)."""
+    """``decode_linear(x.float(), weight)`` (a router's fp32 logits over its 16-bit weight); a 16-bit x
+    of up to ``MAX_ROWS`` rows widened in the kernel's registers instead (the same launch, no fp32 copy)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if rows <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and weight.stride(-1) == 1 \
+    if rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and weight.stride(-1) == 1 \
             and _takes(torch.float32, weight):
         return skinny_linear(x, weight, out_dtype=torch.float32)
-    return F.linear(x.float(), weight.float())
+    return decode_linear(x.float(), weight)
