@@ -40,6 +40,15 @@ QUANT_SHAPES = SHAPES[:1] + SHAPES[2:] + [("shared expert gate / up", 512, 2048,
                                           ("shared expert down", 2048, 512, None)]
 
 
+def quant_grid(quantize: str, stages: str) -> list[tuple]:
+    """``QUANT_GRIDS[quantize]``, each tile at every stage count in ``stages`` (comma-separated) if given."""
+    grid = QUANT_GRIDS[quantize]
+    if not stages:
+        return grid
+    counts = sorted({int(s) for s in stages.split(",")})
+    return sorted({(*g[:4], s, g[5]) for g in grid for s in counts})
+
+
 def parse_shape(spec: str) -> tuple[str, int, int, list]:
     """``NAME=NxK`` -> (name, N, K, bf16 grid); a clear error for any other spelling."""
     name, _, nk = spec.rpartition("=")
@@ -60,6 +69,8 @@ def main() -> None:
     ap.add_argument("--shape", action="append", default=[], metavar="NAME=NxK",
                     help="another model's projection (N outputs, K inputs) instead of the 35B's, repeatable: "
                          "swept over the format's grid (GRID_WIDE / GRID_DEEP by K in bf16)")
+    ap.add_argument("--stages", default="", metavar="S,S",
+                    help="with --quantize: software-pipeline stages to sweep instead of the grid's")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from wmtp.bench.step import revision
@@ -78,7 +89,7 @@ def main() -> None:
         copies = max(1, int(a.copies_bytes // nbytes))
         dense = [torch.randn(N, K, device="cuda", dtype=dt) * K**-0.5 for _ in range(copies)]
         ws = dense if fmt is None else [QuantWeight(fmt, fmt.to_model(fmt.quantize(w), N), K) for w in dense]
-        grid = grid if fmt is None else QUANT_GRIDS[a.quantize]
+        grid = grid if fmt is None else quant_grid(a.quantize, a.stages)
         x = torch.randn(T, K, device="cuda", dtype=dt)
 
         def bench(fn, weights=ws) -> float:
