@@ -42,7 +42,8 @@ class LinearTiles(NamedTuple):
     """Launch configuration: column block, K step, K splits (programs per column block), warps,
     software-pipeline stages; ``gemv``: a quantized weight's one-row launch by FMA (``weight_fma``:
     products kept per input position and summed once after the K loop, so the weight never goes
-    through shared memory to reach a dot's layout) instead of tensor-core dots."""
+    through shared memory to reach a dot's layout) instead of tensor-core dots; its FP8 K step may span
+    several 128-input scale blocks (one ``weight_fma`` each), the dots' divides one."""
 
     block_n: int
     block_k: int
@@ -115,10 +116,13 @@ if triton is not None:
         t_ok = ts < T
         if GEMV:  # one row (T_P = 1)
             k_lo = s * K_SPLIT
-            acc3 = tl.zeros([BLOCK_N, BLOCK_K // 16, 8] if FORMAT == 1 else [BLOCK_N, BLOCK_K], tl.float32)
+            SUB: tl.constexpr = BLOCK_K // 128 if FORMAT == 2 and BLOCK_K > 128 else 1  # FP8: a scale block each
+            BK: tl.constexpr = BLOCK_K // SUB
+            acc3 = tl.zeros([BLOCK_N, BK // 16, 8] if FORMAT == 1 else [BLOCK_N, BK], tl.float32)
             for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
-                acc3 = weight_fma(W, S, cols * stride_wn, cols * stride_sn, col_ok, x_step(X, 0, k0, K, FORMAT, BLOCK_K),
-                                  k0, K, acc3, FORMAT, BLOCK_K, CVT)
+                for j in tl.static_range(SUB):
+                    acc3 = weight_fma(W, S, cols * stride_wn, cols * stride_sn, col_ok,
+                                      x_step(X, 0, k0 + j * BK, K, FORMAT, BK), k0 + j * BK, K, acc3, FORMAT, BK, CVT)
             acc = fma_sum(acc3, FORMAT)[None, :]
         else:
             acc = split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, s * K_SPLIT, K_SPLIT, K,
@@ -274,8 +278,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
         bk = cfg.block_k
         if kw.format == NVFP4_CODE and (bk < 16 or bk & (bk - 1)):
             raise ValueError(f"skinny_linear: NVFP4 block_k {bk} must be a power of 2 >= 16")
-        if kw.format == FP8_CODE and (128 % bk or bk < 16):
-            raise ValueError(f"skinny_linear: FP8 block_k {bk} must divide the 128-input scale blocks")
+        if kw.format == FP8_CODE and (128 % bk or bk < 16) and not (cfg.gemv and bk % 128 == 0):
+            raise ValueError(f"skinny_linear: FP8 block_k {bk} must divide the 128-input scale blocks (gemv tiles: "
+                             f"or be a multiple of them)")
         if cfg.gemv and (T != 1 or not quant):
             raise ValueError(f"skinny_linear: gemv tiles take one row of a quantized weight (x {tuple(x.shape)}, "
                              f"weight {kw.format})")
