@@ -35,7 +35,7 @@ SHAPES = [("o_proj / out_proj / mtp fc", 2048, 4096, GRID_DEEP),
 QUANT_GRIDS = {"nvfp4": list(itertools.product((64, 128), (128, 256), (2, 4, 8), (4, 8), (1, 2), (False,)))
                + list(itertools.product((8, 16, 32), (128, 256, 512), (2, 4, 8), (4, 8), (3,), (True,))),
                "fp8": list(itertools.product((32, 64, 128), (64, 128), (1, 2, 4, 8), (4, 8), (3,), (False,)))
-               + list(itertools.product((8, 16, 32), (64, 128, 256, 512), (2, 4, 8), (4, 8), (3,), (True,)))}
+               + list(itertools.product((8, 16, 32), (64, 128), (2, 4, 8), (4, 8), (3,), (True,)))}
 QUANT_SHAPES = SHAPES[:1] + SHAPES[2:] + [("shared expert gate / up", 512, 2048, None),
                                           ("shared expert down", 2048, 512, None)]
 

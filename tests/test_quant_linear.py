@@ -46,8 +46,6 @@ def test_quant_linear_matches_the_twin(fmt, rows, dtype):
         assert _close(skinny_linear(x, w, tiles=LinearTiles(16, 32, 1, 4, gemv=True)), want)
         assert _close(skinny_linear(x, w, b, tiles=LinearTiles(32, 64, 3, 4, gemv=True)),
                       F.linear(x, w.dequantize(dtype), b))
-        if not isinstance(fmt, NVFP4):  # FP8: a K step over two scale blocks, the second partial
-            assert _close(skinny_linear(x, w, tiles=LinearTiles(16, 256, 1, 4, gemv=True)), want)
 
 
 @pytest.mark.parametrize("fmt", [NVFP4(), FP8Block()], ids=["nvfp4", "fp8"])
@@ -111,9 +109,6 @@ def test_quant_linear_bad_input_names_the_problem():
     with pytest.raises(ValueError, match="FP8 block_k 48 must divide"):
         skinny_linear(torch.zeros(2, 32, device=DEVICE), _weight(FP8Block(), [8], 32, seed=0),
                       tiles=LinearTiles(16, 48, 1, 4))
-    with pytest.raises(ValueError, match="FP8 block_k 256 must divide"):  # more than a block: gemv tiles only
-        skinny_linear(torch.zeros(1, 32, device=DEVICE), _weight(FP8Block(), [8], 32, seed=0),
-                      tiles=LinearTiles(16, 256, 1, 4))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])

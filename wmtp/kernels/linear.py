@@ -42,8 +42,7 @@ class LinearTiles(NamedTuple):
     """Launch configuration: column block, K step, K splits (programs per column block), warps,
     software-pipeline stages; ``gemv``: a quantized weight's one-row launch by FMA (``weight_fma``:
     products kept per input position and summed once after the K loop, so the weight never goes
-    through shared memory to reach a dot's layout) instead of tensor-core dots; its FP8 K step may span
-    several 128-input scale blocks (one ``weight_fma`` each), the dots' divides one."""
+    through shared memory to reach a dot's layout) instead of tensor-core dots."""
 
     block_n: int
     block_k: int
@@ -116,13 +115,10 @@ if triton is not None:
         t_ok = ts < T
         if GEMV:  # one row (T_P = 1)
             k_lo = s * K_SPLIT
-            SUB: tl.constexpr = BLOCK_K // 128 if FORMAT == 2 and BLOCK_K > 128 else 1  # FP8: a scale block each
-            BK: tl.constexpr = BLOCK_K // SUB
-            acc3 = tl.zeros([BLOCK_N, BK // 16, 8] if FORMAT == 1 else [BLOCK_N, BK], tl.float32)
+            acc3 = tl.zeros([BLOCK_N, BLOCK_K // 16, 8] if FORMAT == 1 else [BLOCK_N, BLOCK_K], tl.float32)
             for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
-                for j in tl.static_range(SUB):
-                    acc3 = weight_fma(W, S, cols * stride_wn, cols * stride_sn, col_ok,
-                                      x_step(X, 0, k0 + j * BK, K, FORMAT, BK), k0 + j * BK, K, acc3, FORMAT, BK, CVT)
+                acc3 = weight_fma(W, S, cols * stride_wn, cols * stride_sn, col_ok, x_step(X, 0, k0, K, FORMAT, BLOCK_K),
+                                  k0, K, acc3, FORMAT, BLOCK_K, CVT)
             acc = fma_sum(acc3, FORMAT)[None, :]
         else:
             acc = split_dot(X, W, S, stride_xt, stride_wn, stride_sn, ts, t_ok, cols, col_ok, s * K_SPLIT, K_SPLIT, K,
@@ -187,12 +183,15 @@ def quant_tiles(rows: int, n: int, k: int, fmt: int) -> LinearTiles:
     / 8 splits and 3 stages: 17.7 / 16.8 / 8.1; b18c8bb's kernel at its tiles 19.3 / 19.3 / 9.3).
 
     FP8 (more rows, or one row past 4096 outputs): K steps of 128 inputs; columns in blocks of 32
-    up to 1024 outputs, 64 up to 4096, 128 above; as many K splits (8, 4, 2) as keep the launch within
-    600 programs (at 3e78b3e, 1 / 7 rows: 2048 x 4096 at 64 x 128 in 8 splits 9.4 / 9.3 us; 9216 x 2048
+    up to 1024 outputs, 64 up to 4096 and above 16384, 128 between; as many K splits (8, 4, 2) as keep
+    the launch within 600 programs (at 3e78b3e, 1 / 7 rows: 2048 x 4096 at 64 x 128 in 8 splits 9.4 / 9.3 us; 9216 x 2048
     at 128 x 128 in 8 splits 18.9 / 19.2 us and 12352 x 2048 in 4 splits 19.4 / 19.1 us, against
     21.0 / 21.1 and 23.7 / 23.6 at 64-wide blocks, NVFP4 then). Over Nemotron-3-Super's FP8
     projections the sweep's best was 0-23% faster (1.3 us at most), at a different tile per shape
-    (``h100/tuning/tune_linear_fp8_nemotron.json``). One FP8 row of up to 4096 outputs takes the FMA
+    (``h100/tuning/tune_linear_fp8_nemotron.json``); its Mamba in_proj (18560 x 4096) at 64 x 128 in 2 splits,
+    the best there and in two later sweeps on H100s: 33.8 / 34.8 us against 36.9 / 38.6 at 128 x 128 in 4 at
+    1 / 8 rows (``tune_linear_fp8_in_proj_*.json``; pipeline depths 1-4 and FMA K steps of up to 512 no
+    faster). One FP8 row of up to 4096 outputs takes the FMA
     path in 32-wide blocks at 8 warps (the splits as above), on an H100 faster than those tiles over
     every such projection of the 35B and Nemotron-3-Super (2048 x 4096 6.4 against 7.2 us, 4096 x 4096
     9.9 / 11.2, 4096 x 1024 4.5 / 5.7, 512 x 2048 3.3 / 3.7; ``tune_linear_fp8.json``, at 0466e6e);
@@ -203,7 +202,7 @@ def quant_tiles(rows: int, n: int, k: int, fmt: int) -> LinearTiles:
     if fmt == NVFP4_CODE:
         return LinearTiles(64, 256, _splits(-(-n // 64), 800, k // 256), 4, 1)
     fp8_gemv = rows == 1 and fmt == FP8_CODE and n <= 4096
-    block_n = 32 if n <= 1024 or fp8_gemv else 64 if n <= 4096 else 128
+    block_n = 32 if n <= 1024 or fp8_gemv else 64 if n <= 4096 or n > 16384 else 128
     return LinearTiles(block_n, 128, _splits(-(-n // block_n), 600, k // 128), 8 if fp8_gemv else 4, gemv=fp8_gemv)
 
 
@@ -278,9 +277,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
         bk = cfg.block_k
         if kw.format == NVFP4_CODE and (bk < 16 or bk & (bk - 1)):
             raise ValueError(f"skinny_linear: NVFP4 block_k {bk} must be a power of 2 >= 16")
-        if kw.format == FP8_CODE and (128 % bk or bk < 16) and not (cfg.gemv and bk % 128 == 0):
-            raise ValueError(f"skinny_linear: FP8 block_k {bk} must divide the 128-input scale blocks (gemv tiles: "
-                             f"or be a multiple of them)")
+        if kw.format == FP8_CODE and (128 % bk or bk < 16):
+            raise ValueError(f"skinny_linear: FP8 block_k {bk} must divide the 128-input scale blocks")
         if cfg.gemv and (T != 1 or not quant):
             raise ValueError(f"skinny_linear: gemv tiles take one row of a quantized weight (x {tuple(x.shape)}, "
                              f"weight {kw.format})")
