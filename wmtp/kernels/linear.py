@@ -183,19 +183,19 @@ def quant_tiles(rows: int, n: int, k: int, fmt: int) -> LinearTiles:
     / 8 splits and 3 stages: 17.7 / 16.8 / 8.1; b18c8bb's kernel at its tiles 19.3 / 19.3 / 9.3).
 
     FP8 (more rows, or one row past 4096 outputs): K steps of 128 inputs; columns in blocks of 32
-    up to 1024 outputs, 64 up to 4096 and above 16384, 128 between; as many K splits (8, 4, 2) as keep
-    the launch within 600 programs (at 3e78b3e, 1 / 7 rows: 2048 x 4096 at 64 x 128 in 8 splits 9.4 / 9.3 us; 9216 x 2048
-    at 128 x 128 in 8 splits 18.9 / 19.2 us and 12352 x 2048 in 4 splits 19.4 / 19.1 us, against
-    21.0 / 21.1 and 23.7 / 23.6 at 64-wide blocks, NVFP4 then). Over Nemotron-3-Super's FP8
-    projections the sweep's best was 0-23% faster (1.3 us at most), at a different tile per shape
-    (``h100/tuning/tune_linear_fp8_nemotron.json``); its Mamba in_proj (18560 x 4096) at 64 x 128 in 2 splits,
-    the best there and in two later sweeps on H100s: 33.8 / 34.8 us against 36.9 / 38.6 at 128 x 128 in 4 at
-    1 / 8 rows (``tune_linear_fp8_in_proj_*.json``; pipeline depths 1-4 and FMA K steps of up to 512 no
-    faster). One FP8 row of up to 4096 outputs takes the FMA
-    path in 32-wide blocks at 8 warps (the splits as above), on an H100 faster than those tiles over
-    every such projection of the 35B and Nemotron-3-Super (2048 x 4096 6.4 against 7.2 us, 4096 x 4096
-    9.9 / 11.2, 4096 x 1024 4.5 / 5.7, 512 x 2048 3.3 / 3.7; ``tune_linear_fp8.json``, at 0466e6e);
-    wider ones lost there (12352 x 2048 15.1 against 12.6, 5376 x 4096 15.5 / 12.5)."""
+    up to 1024 outputs, 64 up to 4096 and above 16384, 128 between; as many K splits (8, 4, 2) as
+    keep the launch within 600 programs (at 3e78b3e, 1 / 7 rows: 2048 x 4096 at 64 x 128 in 8 splits
+    9.4 / 9.3 us; 9216 x 2048 at 128 x 128 in 8 splits 18.9 / 19.2 us and 12352 x 2048 in 4 splits
+    19.4 / 19.1 us, against 21.0 / 21.1 and 23.7 / 23.6 at 64-wide blocks, NVFP4 then). Over
+    Nemotron-3-Super's FP8 projections the sweep's best was 0-23% faster (1.3 us at most), at a
+    different tile per shape (``h100/tuning/tune_linear_fp8_nemotron.json``); its Mamba in_proj
+    (18560 x 4096) at 64 x 128 in 2 splits, the best there and in two later sweeps on H100s: 33.8 /
+    34.8 us against 36.9 / 38.6 at 128 x 128 in 4, at 1 / 8 rows (``tune_linear_fp8_in_proj_*.json``;
+    pipeline depths 1-4 and FMA K steps of up to 512 no faster). One FP8 row of up to 4096 outputs
+    takes the FMA path in 32-wide blocks at 8 warps (the splits as above), on an H100 faster than
+    those tiles over every such projection of the 35B and Nemotron-3-Super (2048 x 4096 6.4 against
+    7.2 us, 4096 x 4096 9.9 / 11.2, 4096 x 1024 4.5 / 5.7, 512 x 2048 3.3 / 3.7; ``tune_linear_fp8.json``,
+    at 0466e6e); wider ones lost there (12352 x 2048 15.1 against 12.6, 5376 x 4096 15.5 / 12.5)."""
     if rows == 1 and fmt == NVFP4_CODE:
         splits = 2 if n >= 8192 else 4
         return LinearTiles(8, 512 if k == 4096 else 256, max(1, min(splits, k // 256)), 4, gemv=True)
