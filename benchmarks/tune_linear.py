@@ -45,6 +45,8 @@ def quant_grid(quantize: str, stages: str) -> list[tuple]:
     grid = QUANT_GRIDS[quantize]
     if not stages:
         return grid
+    if not all(s.isdigit() and int(s) > 0 for s in stages.split(",")):
+        raise SystemExit(f"tune_linear: --stages {stages!r} must be positive integers, comma-separated")
     counts = sorted({int(s) for s in stages.split(",")})
     return sorted({(*g[:4], s, g[5]) for g in grid for s in counts})
 
