@@ -51,16 +51,6 @@ def quant_grid(quantize: str, stages: str) -> list[tuple]:
     return sorted({(*g[:4], s, g[5]) for g in grid for s in counts})
 
 
-def parse_prefetch(spec: str) -> list[int]:
-    """``--prefetch``'s byte counts (comma-separated), each 0 or a power of 2 of at least 128."""
-    from wmtp.kernels.common import prefetch_check
-
-    try:
-        return [prefetch_check(int(p), "tune_linear: --prefetch") for p in spec.split(",")] if spec else []
-    except ValueError as e:
-        raise SystemExit(f"tune_linear: --prefetch {spec!r}: {e}") from None
-
-
 def parse_shape(spec: str) -> tuple[str, int, int, list]:
     """``NAME=NxK`` -> (name, N, K, bf16 grid); a clear error for any other spelling."""
     name, _, nk = spec.rpartition("=")
@@ -83,11 +73,8 @@ def main() -> None:
                          "swept over the format's grid (GRID_WIDE / GRID_DEEP by K in bf16)")
     ap.add_argument("--stages", default="", metavar="S,S",
                     help="with --quantize: software-pipeline stages to sweep instead of the grid's")
-    ap.add_argument("--prefetch", default="", metavar="B,B",
-                    help="also time the engine's tiles at each of these prefetch bytes a weight row (0: none)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    prefetches = parse_prefetch(a.prefetch)
     from wmtp.bench.step import revision
     from wmtp.bench.timing import cold_ms_per_call
     from wmtp.kernels.linear import LinearTiles, decode_linear, linear_tiles, quant_tiles, skinny_linear
@@ -127,18 +114,13 @@ def main() -> None:
             except Exception as e:  # resources exceeded for this tile
                 results.append({**tiles._asdict(), "error": type(e).__name__})
         best = min((r for r in results if "ms" in r), key=lambda r: r["ms"], default={"ms": chosen_ms})
-        at = chosen or LinearTiles(16, 128, 1, 4)  # skinny_linear's own fallback where cuBLAS is chosen
-        prefetch_ms = {p: bench(lambda w, t=at._replace(prefetch=p): skinny_linear(x, w, tiles=t)) for p in prefetches}
-        if prefetches:
-            print(f"{name:28s} T={T}: {at} by prefetch bytes: "
-                  + ", ".join(f"{p} {ms * 1e3:.1f} us" for p, ms in prefetch_ms.items()), flush=True)
         tb = nbytes / 1e9  # TB/s = weight bytes / 1e12 / (ms / 1e3)
         print(f"{name:28s} T={T}: cuBLAS (bf16) {cublas * 1e3:6.1f} us ({N * K * 2 / 1e9 / cublas:.2f} TB/s) | engine "
               f"{chosen} {chosen_ms * 1e3:6.1f} us ({tb / chosen_ms:.2f}) | best {best['ms'] * 1e3:6.1f} us "
               f"({tb / best['ms']:.2f}) {best} | max err {err:.3g}", flush=True)
         rows.append({"case": name, "N": N, "K": K, "tokens": T, "copies": copies, "cublas_ms": cublas,
                      "chosen_ms": chosen_ms, "chosen_tiles": None if chosen is None else chosen._asdict(), "best": best,
-                     "max_abs_err_vs_cublas": err, "prefetch_ms": prefetch_ms, "all": results})
+                     "max_abs_err_vs_cublas": err, "all": results})
     with open(a.out, "w") as f:
         json.dump({"commit": revision(),
                    "kind": "linear_tuning", "hardware": torch.cuda.get_device_name(), "quantize": a.quantize,

@@ -46,22 +46,19 @@ def cases() -> dict[str, tuple]:
             {**LINEAR_TYPES, "W": w, "S": s},
             # the epilogue's ReLU² and residual sum (Nemotron-H's ReLU² and latent MoE projections) at 2048 outputs
             dict(FORMAT=code, HAS_BIAS=True, RELU2=n == 2048, HAS_ADD=n == 2048, SPLITS=splits, WIDEN=False, PREC="tf32",
-                 T_P=16, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, CVT=cvt, GEMV=False, PREFETCH=1024,
-                 PDL=True),
+                 T_P=16, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, CVT=cvt, GEMV=False, PDL=True),
             {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
     # a 16-bit weight through the same split_dot (the linears that stay in the checkpoint's dtype)
     out["skinny_linear-bf16"] = ("wmtp.kernels.linear:_skinny_linear_kernel", {**LINEAR_TYPES, "W": "*bf16", "S": "*bf16"},
                                  dict(FORMAT=0, HAS_BIAS=False, RELU2=False, HAS_ADD=False, SPLITS=4, WIDEN=False,
-                                      PREC="tf32", T_P=16, BLOCK_N=32, BLOCK_K=256, CVT=False, GEMV=False,
-                                      PREFETCH=1024, PDL=True),
+                                      PREC="tf32", T_P=16, BLOCK_N=32, BLOCK_K=256, CVT=False, GEMV=False, PDL=True),
                                  {"num_warps": 4})
     # a router's fp32 logits from bf16 x and weight (fp32_linear: x widened in registers, ieee products)
     out["skinny_linear-fp32-out"] = ("wmtp.kernels.linear:_skinny_linear_kernel",
                                      {**LINEAR_TYPES, "W": "*bf16", "S": "*bf16", "BIAS": "*fp32", "ADD": "*fp32",
                                       "OUT": "*fp32"},
                                      dict(FORMAT=0, HAS_BIAS=False, RELU2=False, HAS_ADD=False, SPLITS=8, WIDEN=True,
-                                          PREC="ieee", T_P=16, BLOCK_N=16, BLOCK_K=128, CVT=False, GEMV=False,
-                                          PREFETCH=0, PDL=True),
+                                          PREC="ieee", T_P=16, BLOCK_N=16, BLOCK_K=128, CVT=False, GEMV=False, PDL=True),
                                      {"num_warps": 4})
     # the one-row FMA path (LinearTiles.gemv): NVFP4's default (4 warps), FP8's up to 4096 outputs (32 x 128, 8 warps)
     for (fmt, cvt), (bn, bk) in itertools.product(CVT, ((8, 256), (16, 256), (32, 128))):
@@ -70,8 +67,7 @@ def cases() -> dict[str, tuple]:
             "wmtp.kernels.linear:_skinny_linear_kernel",
             {**LINEAR_TYPES, "W": w, "S": s},
             dict(FORMAT=code, HAS_BIAS=False, RELU2=bn == 32, HAS_ADD=bn == 32, SPLITS=4, WIDEN=False, PREC="tf32",
-                 T_P=1, BLOCK_N=bn, BLOCK_K=min(bk, 128) if fmt == "fp8" else bk, CVT=cvt, GEMV=True, PREFETCH=1024,
-                 PDL=True),
+                 T_P=1, BLOCK_N=bn, BLOCK_K=min(bk, 128) if fmt == "fp8" else bk, CVT=cvt, GEMV=True, PDL=True),
             {"num_warps": 8 if fmt == "fp8" else 4})
     from wmtp.kernels.moe import down_combine_tiles, pair_tiles
 
@@ -209,16 +205,12 @@ def build(kernel: str, types: dict[str, str], constexprs: dict, launch: dict | N
 
 def compile_case(kernel: str, types: dict[str, str], constexprs: dict, launch: dict | None = None) -> str | None:
     """None where the kernel compiles to an sm_90 cubin without register spills (``launch``: as
-    ``build``'s, and ``spills`` True where spills are allowed) and, with a PREFETCH constexpr, asks
-    L2 for its weight lines before it waits on the previous kernel; else why not."""
+    ``build``'s, and ``spills`` True where spills are allowed), else why not."""
     try:
         k = build(kernel, types, constexprs, launch)
     except Exception as e:  # the compiler's own message is the result
         return "".join(traceback.format_exception_only(type(e), e))[-4000:]
-    ptx = k.asm["ptx"]
-    if constexprs.get("PREFETCH") and not -1 < ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait"):
-        return "no prefetch.global.L2 before griddepcontrol.wait in the PTX"
-    spills = _spill_bytes(ptx)
+    spills = _spill_bytes(k.asm["ptx"])
     return f"{spills} bytes of register spills" if spills and not (launch or {}).get("spills") else None
 
 

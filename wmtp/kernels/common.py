@@ -117,32 +117,14 @@ if triton is not None:
 
     @triton.jit
     def wait_prior(PDL: tl.constexpr):
-        """First statement of every engine kernel (after ``prefetch_rows`` at most). Under
-        programmatic dependent launch (``PDL``) a kernel's programs may start while the previous
-        kernel in the stream still runs: wait for it to finish (its writes then visible), then let the
-        next kernel's programs start. Nothing may be read or written before this, so no program can
-        finish ahead of the previous kernel and the chain of waits keeps stream order."""
+        """First statement of every engine kernel. Under programmatic dependent launch (``PDL``) a
+        kernel's programs may start while the previous kernel in the stream still runs: wait for it
+        to finish (its writes then visible), then let the next kernel's programs start. Nothing may
+        be read or written before this, so no program can finish ahead of the previous kernel and
+        the chain of waits keeps stream order."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-
-    # prefetch.global.L2 of the line at $1 where $2 is non-zero; $0 a dummy result
-    _PREFETCH_L2 = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }")
-
-    @triton.jit
-    def prefetch_rows(W, rows, row_ok, k_lo, k_hi, BYTES: tl.constexpr):
-        """Ask L2 for the first ``BYTES`` bytes of elements ``[k_lo, k_hi)`` of each row at ``W + rows``
-        (element offsets; 128-byte lines) without waiting for them. Before ``wait_prior``, and only
-        for weights (no kernel writes them): a program that starts during the previous kernel's last
-        wave has its first weight lines on the way while it waits, where the SMs and DRAM were idle
-        in the chain's launch gap. Nothing is read into registers, so stream order is kept. BYTES 0:
-        no op (the CPU interpreter runs no inline PTX)."""
-        if BYTES > 0:
-            EB: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
-            ks = k_lo + tl.arange(0, BYTES // 128) * (128 // EB)
-            ok = (row_ok[:, None] & (ks < k_hi)[None, :]).to(tl.int32)
-            tl.inline_asm_elementwise(asm=_PREFETCH_L2, constraints="=r,l,r",
-                                      args=[W + rows[:, None] + ks[None, :], ok], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @functools.cache
@@ -165,22 +147,3 @@ def pdl(device: torch.device) -> dict[str, bool]:
     shorter, on the H200 (2543520; benchmarks/results/HISTORY.md). On for CUDA devices of compute capability 9.0+
     (griddepcontrol), off under the CPU interpreter and with ``WMTP_PDL=0``."""
     return {"PDL": True, "launch_pdl": True} if gpu_feature(device, (9, 0), "WMTP_PDL") else {"PDL": False}
-
-
-PREFETCH_BYTES = 0  # a weight row's bytes prefetch_rows asks for by default (off until timed in a step)
-
-
-def prefetch_bytes(device: torch.device) -> int:
-    """The ``BYTES`` of ``prefetch_rows`` a launch on ``device`` takes by default: ``PREFETCH_BYTES``
-    (``WMTP_PREFETCH`` overrides: bytes, a multiple of 128, 0 off) where PDL is on (the prefetch is
-    issued before the wait on the previous kernel), else 0."""
-    if not pdl(device)["PDL"]:
-        return 0
-    return prefetch_check(int(os.environ.get("WMTP_PREFETCH", PREFETCH_BYTES)), "WMTP_PREFETCH")
-
-
-def prefetch_check(n: int, name: str) -> int:
-    """``n`` prefetch bytes, or an error naming ``name`` unless a power of 2 of at least 128, or 0."""
-    if n and (n < 128 or n & (n - 1)):
-        raise ValueError(f"{name}: {n} prefetch bytes; 0 or a power of 2 of at least 128")
-    return n

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from wmtp.kernels.common import arrival_counters, launch_tile, linear_epilogue, pdl, prefetch_bytes, prefetch_check
+from wmtp.kernels.common import arrival_counters, launch_tile, linear_epilogue, pdl
 from wmtp.kernels.quant_tiles import FP8_CODE, NVFP4_CODE, dequantize, e2m1_cvt, kernel_weight
 from wmtp.quant import QuantWeight
 
@@ -42,9 +42,7 @@ class LinearTiles(NamedTuple):
     """Launch configuration: column block, K step, K splits (programs per column block), warps,
     software-pipeline stages; ``gemv``: a quantized weight's one-row launch by FMA (``weight_fma``:
     products kept per input position and summed once after the K loop, so the weight never goes
-    through shared memory to reach a dot's layout) instead of tensor-core dots; ``prefetch``: bytes
-    of each weight row a program asks L2 for before it waits on the previous kernel
-    (``prefetch_rows``; None: ``prefetch_bytes``' default)."""
+    through shared memory to reach a dot's layout) instead of tensor-core dots."""
 
     block_n: int
     block_k: int
@@ -52,11 +50,10 @@ class LinearTiles(NamedTuple):
     num_warps: int
     num_stages: int = 3  # Triton's default on NVIDIA GPUs
     gemv: bool = False
-    prefetch: int | None = None
 
 
 if triton is not None:
-    from wmtp.kernels.common import last_to_arrive, prefetch_rows, wait_prior
+    from wmtp.kernels.common import last_to_arrive, wait_prior
     from wmtp.kernels.quant_tiles import fma_sum, row_scale, tile_scales, weight_fma, weight_tile_dot, x_step
 
     @triton.jit
@@ -105,20 +102,15 @@ if triton is not None:
                               stride_at, stride_ot, K_SPLIT, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr,
                               RELU2: tl.constexpr, HAS_ADD: tl.constexpr, SPLITS: tl.constexpr,
                               WIDEN: tl.constexpr, PREC: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, CVT: tl.constexpr, GEMV: tl.constexpr, PREFETCH: tl.constexpr,
-                              PDL: tl.constexpr):
+                              BLOCK_K: tl.constexpr, CVT: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr):
         """``_finish(x @ W.T)`` for the rows ``ts`` < T (T_P of them; one with GEMV) and column block
         ``program_id(0)``, over K split ``program_id(1)`` of SPLITS: split partial sums go to PART and
-        the column block's last program to arrive (COUNT) sums them in split order. PREFETCH: the
-        split's first bytes of each weight row asked of L2 before the wait (``prefetch_rows``)."""
+        the column block's last program to arrive (COUNT) sums them in split order."""
+        wait_prior(PDL)
         nb = tl.program_id(0)
         s = tl.program_id(1)
         cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        PACK: tl.constexpr = 2 if FORMAT == 1 else 1  # inputs a stored weight element holds
-        prefetch_rows(W, cols * stride_wn, col_ok, s * K_SPLIT // PACK, tl.minimum(s * K_SPLIT + K_SPLIT, K) // PACK,
-                      PREFETCH)
-        wait_prior(PDL)
         ts = tl.arange(0, T_P)
         t_ok = ts < T
         if GEMV:  # one row (T_P = 1)
@@ -290,8 +282,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
         if cfg.gemv and (T != 1 or not quant):
             raise ValueError(f"skinny_linear: gemv tiles take one row of a quantized weight (x {tuple(x.shape)}, "
                              f"weight {kw.format})")
-        prefetch = prefetch_bytes(x.device) if cfg.prefetch is None or not pdl(x.device)["PDL"] \
-            else prefetch_check(cfg.prefetch, "skinny_linear: tiles.prefetch")
         k_split = triton.cdiv(triton.cdiv(K, cfg.splits), bk) * bk  # a multiple of the K step
         splits = triton.cdiv(K, k_split)
         blocks = triton.cdiv(N, cfg.block_n)
@@ -306,7 +296,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
                 arrival_counters(x.device, blocks), t, N, K, xs.stride(0), kw.weight.stride(0), kw.scale.stride(0),
                 adds.stride(0), outs.stride(0), k_split, FORMAT=kw.format, HAS_BIAS=bias is not None, RELU2=relu2,
                 HAS_ADD=add is not None, SPLITS=splits,
-                T_P=1 if cfg.gemv else MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=bk, GEMV=cfg.gemv, PREFETCH=prefetch,
+                T_P=1 if cfg.gemv else MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=bk, GEMV=cfg.gemv,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 **dot_flags(out.dtype if wide else x.dtype), **e2m1_cvt(x.device), **pdl(x.device))
     return out.view(*x.shape[:-1], N)
