@@ -92,3 +92,22 @@ def test_bench_step_runs_nemotron_h_on_the_host(tmp_path, monkeypatch):
     assert row["floor_bytes"] == sum(v for k, v in row["bytes"].items() if k != "total") > 0
     assert row["bytes"]["draft_kv"] == (4 + 16) * 2 * 2 * 16 * 4  # γ = 1 forward over sink + W ring slots
     assert row["floor_s"] == pytest.approx(row["floor_bytes"] / result["meta"]["bandwidth"]["read_bytes_per_s"])
+
+
+def test_bench_step_first_layers(tmp_path, monkeypatch):
+    """``--layers N``: the preset's first N layers (tiny-nemotron-h's mamba, moe, attention of five),
+    recorded in the results; the floor counts those layers' bytes: the one Mamba2 state of two, the
+    attention's KV whole (the only attention layer is among them). One timed iteration (its deciles
+    the time itself)."""
+    monkeypatch.setattr(floor, "HOST_GIB", 1 / 256)
+    rows = {}
+    for layers in ([], ["--layers", "3"]):
+        out = tmp_path / f"step{len(layers)}.json"
+        argv = ["bench", "step", "--device", "cpu", "--preset", "tiny-nemotron-h", "--context", "40", "-d", "2",
+                "--iters", "1", "--warmup", "1", "--modes", "dense", *layers, "--out", str(out)]
+        assert main(argv) == 0
+        result = json.loads(out.read_text())
+        rows[result["meta"]["layers"]] = result["rows"][0]["bytes"]
+    assert set(rows) == {None, 3}
+    assert rows[3]["states"] * 2 == rows[None]["states"] > 0 and rows[3]["target_kv"] == rows[None]["target_kv"] > 0
+    assert 0 < rows[3]["target_dense"] < rows[None]["target_dense"]

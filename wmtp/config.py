@@ -115,6 +115,22 @@ class ModelConfig:
     # the raw (un-nested) dict this came from, written back by make-checkpoint
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    def first_layers(self, n: int) -> ModelConfig:
+        """This shape with only its first ``n`` layers (and its MTP layers): a shortened model whose
+        every layer costs what it does in the whole one, for cost runs on a GPU the whole model does
+        not fit. ``raw`` names the shortened layer count (what a writer would write)."""
+        if not 0 < n <= self.num_layers:
+            raise ConfigError(f"layers={n}: the model has {self.num_layers} layers; keep between 1 and "
+                              f"{self.num_layers}")
+        raw = {**self.raw, "num_hidden_layers": n}
+        for key in ("layer_types", "layers_block_type"):
+            if isinstance(raw.get(key), list):
+                raw[key] = raw[key][:n]
+        if isinstance(raw.get("hybrid_override_pattern"), str):
+            raw["hybrid_override_pattern"] = raw["hybrid_override_pattern"][:n]
+        return dataclasses.replace(self, num_layers=n, layer_types=self.layer_types[:n],
+                                   mlp_only_layers=[i for i in self.mlp_only_layers if i < n], raw=raw)
+
     # ---- derived properties -------------------------------------------------------------
     @property
     def family(self) -> str:

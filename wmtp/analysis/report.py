@@ -434,7 +434,8 @@ def _log2_panels(panels: Iterable[tuple[object, str]], xs: list[int], xlabel: st
 
 
 def _short_meta(f: ResultFile) -> str:
-    return f"{f.meta['hardware']} · {'synthetic' if f.meta['synthetic'] else 'real'} · {f.meta['runs']} runs"
+    layers = f" · first {f.meta['layers']} layers" if f.meta.get("layers") else ""
+    return f"{f.meta['hardware']} · {'synthetic' if f.meta['synthetic'] else 'real'} · {f.meta['runs']} runs{layers}"
 
 
 def _fit_points(f: ResultFile, mode: str) -> tuple[list[int], list[MeanCI], list[dict]]:

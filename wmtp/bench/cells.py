@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from wmtp.bench.floor import ExpertCounter, step_bytes
-from wmtp.bench.step import _spec, _sync_time, kv_dtype, parse_mode, release_pools
+from wmtp.bench.step import _spec, _sync_time, deciles, kv_dtype, parse_mode, release_pools
 from wmtp.bench.synthetic import add_synthetic_request, force_acceptance, randomize_pools
 from wmtp.engine.config import EngineConfig, SpecConfig
 from wmtp.engine.engine import Engine
@@ -197,7 +197,7 @@ class TIter(Measure):
         k = cr.force(self.k)
         floor = self._warm_up(cr)
         times = cr.time_steps(self.iters)
-        q = statistics.quantiles(times, n=10) if len(times) > 1 else times * 9
+        q = deciles(times)
         bw = cr.bench.bandwidth
         return {"t_iter_s": statistics.median(times), "t_iter_p10_s": q[0], "t_iter_p90_s": q[-1],
                 "forced_accept": k, "floor_bytes": floor, "floor_s": floor / bw if floor and bw else None}

@@ -135,7 +135,7 @@ def time_mode(model, mode: str, a: argparse.Namespace, bandwidth: float) -> dict
     row = {"mode": mode, "S": a.context, "d": spec.verify_tokens, "B": 1, "forced_accept": k,
            "compiled_steps": compiled, "graph_build_s": build}
     for key, times in (("t_iter", overlapped), ("t_iter_sync", synced)):
-        med, q = statistics.median(times), statistics.quantiles(times, n=10)
+        med, q = statistics.median(times), deciles(times)
         row.update({f"{key}_s": [med], f"{key}_p10_s": [q[0]], f"{key}_p90_s": [q[-1]], f"{key}_over_floor": med / floor})
         print(f"[{mode:8s}] {key:11s} median {med * 1e3:8.2f} ms (p10 {q[0] * 1e3:.2f}, p90 {q[-1] * 1e3:.2f}, "
               f"n={len(times)}) | floor {floor * 1e3:.2f} ms ({sb.total / 2**30:.2f} GiB) | /floor {med / floor:.2f}",
@@ -301,6 +301,11 @@ def revision() -> str:
         return "unknown"
 
 
+def deciles(times: list[float]) -> list[float]:
+    """The 9 deciles of ``times``; a single time's 9 times over (one iteration has no spread)."""
+    return statistics.quantiles(times, n=10) if len(times) > 1 else times * 9
+
+
 def _dtype(model) -> str:
     return str(model.embed_weight.dtype).removeprefix("torch.")
 
@@ -315,6 +320,7 @@ def _meta(a: argparse.Namespace, synthetic: bool, runs: int = 1) -> dict:
     tp = getattr(a, "tensor_parallel_size", 1)
     return {
         "hardware": hardware_name(getattr(a, "device", "cuda"), tp), "tensor_parallel_size": tp, "model": a.preset,
+        "layers": getattr(a, "layers", None),  # None: the whole model; N: its first N layers
         "dtype": getattr(a, "dtype", None) or "bfloat16", "synthetic": synthetic, "runs": runs,
         "command": "wmtp " + " ".join(argv), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "commit": revision(),
@@ -358,7 +364,7 @@ def run_step(a: argparse.Namespace, bw: dict | None = None, tp: TPGroup | None =
 
     device = torch.device(a.device)
     bw = bw or step_bandwidth(device)
-    model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend, tp=tp)
+    model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend, tp=tp, layers=a.layers)
     shape = kernel_shape(a, model.config) if a.kernels else None
     modes = mode_labels(a)
     rows = [time_mode(model, m, a, bw["read_bytes_per_s"]) for m in modes]
@@ -459,7 +465,7 @@ def repeat_prompt(prompt: list[int], suffix: int, vocab_size: int) -> list[int]:
 
 #: what must match for a run's rows to join an earlier run's of other modes in one ``--out``
 TTFT_SETTINGS = ("preset", "tokens", "chunk", "repeat_suffix", "snapshot_interval", "d", "window", "sink", "page_size",
-                 "dtype", "tensor_parallel_size")
+                 "dtype", "tensor_parallel_size", "layers")
 
 
 def run_ttft(a: argparse.Namespace, tp: TPGroup | None = None) -> int:
@@ -468,7 +474,7 @@ def run_ttft(a: argparse.Namespace, tp: TPGroup | None = None) -> int:
     take most of one call's time limit on the GPU machine."""
     import wmtp
 
-    model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend, tp=tp)
+    model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend, tp=tp, layers=a.layers)
     prompt = torch.randint(1, model.config.vocab_size, (a.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     warm = min(a.tokens, 2 * a.chunk + 1)
     modes = mode_labels(a)
@@ -539,6 +545,9 @@ def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
         add_engine_args(s)
         s.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                        help="shard the model over N ranks, one process (and GPU) each; rank 0 reports")
+        s.add_argument("--layers", type=int, default=None, metavar="N",
+                       help="the preset's first N layers only: each costs what it does in the whole model, "
+                            "for cost runs on a GPU the whole one does not fit (recorded in the results)")
         if name == "step":
             s.add_argument("--context", type=int, default=1_040_000, help="S, synthetic")
             s.add_argument("--iters", type=int, default=60)
@@ -589,6 +598,12 @@ def check_options(a: argparse.Namespace) -> None:
     from wmtp.errors import WmtpError
 
     counts = {"--page-size": a.page_size, "--window": a.window}
+    if a.layers is not None:
+        from wmtp.presets import PRESETS, preset_config
+
+        if a.preset not in PRESETS:
+            raise WmtpError(f"--layers={a.layers} applies to presets; {a.preset!r} is not one (a checkpoint loads whole)")
+        preset_config(a.preset).first_layers(a.layers)  # the count in bounds, before anything is timed
     if a.bench == "step":
         check_bounds({**counts, "--context": a.context, "--iters": a.iters, "--max-admit": a.max_admit},
                      {"--warmup": a.warmup, "--accept": a.accept, "--sink": a.sink, "--reserve-gib": a.reserve_gib})
