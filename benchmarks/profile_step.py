@@ -39,8 +39,9 @@ def main() -> None:
                     help="--prefill: then one more prefill under torch.cuda.set_sync_debug_mode, listing where the "
                          "host waited on the stream (blocking copies, .item(), .tolist()) by Python stack")
     ap.add_argument("--timeline", help="also write every profiled kernel (name, start, duration in us) as JSON here")
+    ap.add_argument("--layers", type=int, default=None, help="the preset's first N layers only (bench step's --layers)")
     a = ap.parse_args()
-    model = wmtp.load_model(a.preset, device="cuda", dtype="bfloat16", backend="triton")
+    model = wmtp.load_model(a.preset, device="cuda", dtype="bfloat16", backend="triton", layers=a.layers)
     with open(a.out, "w") as f:
         for mode in a.modes.split(","):
             spec = _spec(mode, a.d, 4032, 64)
