@@ -26,10 +26,11 @@ def load_model(path_or_preset: str, device: str = "cpu", dtype: Any = None, seed
     from wmtp.quant import DEFAULT_EXCLUDE, QuantConfig, default_config
 
     if Path(path_or_preset).is_dir():
-        if quantize is not None or layers is not None:
-            given = f"quantize={quantize!r}" if quantize is not None else f"layers={layers}"
-            raise CheckpointError(f"{path_or_preset}: {given} applies to presets; a checkpoint is loaded whole, "
-                                  "in its own format")
+        if quantize is not None:
+            raise CheckpointError(f"{path_or_preset}: quantize={quantize!r} applies to presets; a checkpoint "
+                                  "carries its own format")
+        if layers is not None:
+            raise CheckpointError(f"{path_or_preset}: layers={layers} applies to presets; a checkpoint loads whole")
         return load_checkpoint(path_or_preset, device=device, dtype=dtype, backend=backend, tp=tp)
     if path_or_preset not in PRESETS and ("/" in path_or_preset or Path(path_or_preset).exists()):
         raise CheckpointError(f"{path_or_preset}: no such checkpoint directory (and not a preset name)")
