@@ -456,3 +456,15 @@ def test_init_random_on_built_model_matches_preset() -> None:
     cfg = ModelConfig.from_dict(json.loads(json.dumps(PRESETS["tiny-qwen3.5-moe"])))
     model = init_random_(build_model(cfg, "cpu", torch.float32), seed=4)
     assert_same_state(model, wmtp.load_model("tiny-qwen3.5-moe", seed=4))
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5-moe-nvfp4", "tiny-nemotron-h-nvfp4"])
+def test_random_quantized_experts_in_runs_equal_one_pass(preset, monkeypatch) -> None:
+    """A preset's random quantized experts quantized one expert a pass (runs of QUANT_INIT_ELEMENTS)
+    hold the tensors one pass over all experts gives: the scales are per expert."""
+    import wmtp.models.loader as loader
+
+    whole = wmtp.load_model(preset, seed=3)
+    monkeypatch.setattr(loader, "QUANT_INIT_ELEMENTS", 1)
+    assert any(g.experts and g.experts > 1 for g in loader.quant_groups(whole))
+    assert_same_state(wmtp.load_model(preset, seed=3), whole)

@@ -253,12 +253,18 @@ def _quant_state(model: TargetLM) -> dict[str, torch.Tensor]:
     return out
 
 
+QUANT_INIT_ELEMENTS = 1 << 27  # weight elements one quantize pass of _init_quant_ takes (whole experts)
+
+
 @torch.no_grad()
 def _init_quant_(model: TargetLM, gen: torch.Generator, std: float, out_std: float) -> None:
     """Random quantized weights: each checkpoint weight drawn as ``init_random_`` draws a float one
     (all experts of a projection at once), then quantized to nearest (its own scales, as a real
-    checkpoint's parts and experts have). A tensor-parallel shard draws and quantizes the whole
-    weight and keeps its cut, so it holds the single-process model's tensors."""
+    checkpoint's parts and experts have), experts in runs of about ``QUANT_INIT_ELEMENTS``: the
+    quantizer's fp32 and int64 temporaries of 512 experts at once (Nemotron-3-Super's) are several
+    times the packed weight, more than an H100 had left. Scales are per expert, so the runs give the
+    tensors one pass would. A tensor-parallel shard draws and quantizes the whole weight and keeps its
+    cut, so it holds the single-process model's tensors."""
     params = dict(model.named_parameters())
     cuts = _QuantCuts(model)
     for g in quant_groups(model):
@@ -268,8 +274,12 @@ def _init_quant_(model: TargetLM, gen: torch.Generator, std: float, out_std: flo
         shape = (n, k) if g.experts is None else (g.experts, n, k)
         scale = out_std if g.module.endswith(("o_proj", "down_proj", "out_proj")) else std
         w = torch.empty(shape, device=device).normal_(0.0, scale, generator=gen)
-        for s, v in g.fmt.to_model(g.fmt.quantize(w), n).items():
-            params[f"{g.param}.{s}"][g.index()].copy_(cuts.take(cut[s], v))
+        index = g.index()
+        run = max(1, QUANT_INIT_ELEMENTS // (n * k))
+        for lo in [None] if g.experts is None else range(0, g.experts, run):
+            part, at = (w, index) if lo is None else (w[lo:lo + run], (slice(lo, lo + run), *index[1:]))
+            for s, v in g.fmt.to_model(g.fmt.quantize(part), n).items():
+                params[f"{g.param}.{s}"][at].copy_(cuts.take(cut[s], v))
 
 
 @torch.no_grad()
