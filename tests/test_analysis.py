@@ -326,6 +326,23 @@ def test_report_states_the_floor_bandwidth(tmp_path):
     assert text.count("timed iterations: SM") == 1
 
 
+def test_report_names_a_shortened_model(tmp_path):
+    """A run of a preset's first N layers (``bench step --layers``) is named so wherever the report
+    names the model (the file table, its section's heading and provenance); a whole model's is not."""
+    (p,) = write_fake_results(tmp_path / "res", kinds=["step"])
+    obj = json.loads(p.read_text())
+    obj["meta"]["layers"] = 44
+    p.write_text(json.dumps(obj))
+    build_report(tmp_path / "res", tmp_path / "out" / "REPORT.md")
+    text = (tmp_path / "out" / "REPORT.md").read_text()
+    model = obj["meta"]["model"]
+    assert text.count(f"{model} (first 44 layers)") >= 3 and f"{model} · " not in text
+    obj["meta"]["layers"] = None
+    p.write_text(json.dumps(obj))
+    build_report(tmp_path / "res", tmp_path / "out2" / "REPORT.md")
+    assert "first 44 layers" not in (tmp_path / "out2" / "REPORT.md").read_text()
+
+
 def test_report_same_kind_in_subfolders_gets_separate_plots(tmp_path):
     """Two batch sweeps (e.g. at 1M and at 131K) in different folders: two sections, two plots."""
     for sub in ("a", "b"):

@@ -99,7 +99,13 @@ class ResultFile:
 
     @property
     def label(self) -> str:
-        return f"{self.meta['model']} · {self.meta['hardware']} · `{self.name or self.path.name}`"
+        return f"{self.model} · {self.meta['hardware']} · `{self.name or self.path.name}`"
+
+    @property
+    def model(self) -> str:
+        """The model the numbers are of: ``meta.model``, and its first N layers where ``meta.layers`` says so."""
+        layers = self.meta.get("layers")
+        return f"{self.meta['model']} (first {layers} layers)" if layers else self.meta["model"]
 
     @property
     def slug(self) -> str:
@@ -233,7 +239,7 @@ def _commit(f: ResultFile) -> str:
 def _provenance(f: ResultFile) -> str:
     m = f.meta
     real = "**synthetic context**" if m["synthetic"] else "real prefill"
-    return f"{m['model']} ({m['dtype']}) on {m['hardware']} · {real} · {m['runs']} runs · {m['date']} · commit {_commit(f)}"
+    return f"{f.model} ({m['dtype']}) on {m['hardware']} · {real} · {m['runs']} runs · {m['date']} · commit {_commit(f)}"
 
 
 def _plt():
@@ -408,7 +414,7 @@ def _plot_context(rep: Report, f: ResultFile, modes: list[str]) -> None:
     a1.set_title("per-iteration time vs context")
     a2.set_title("the windowing wedge (paper Fig. 3)")
     a2.axhline(0, color="k", lw=0.6)
-    fig.suptitle(f"{f.meta['model']} · d={f.rows[0]['d']} · {_short_meta(f)}", fontsize=9)
+    fig.suptitle(f"{f.model} · d={f.rows[0]['d']} · {_short_meta(f)}", fontsize=9)
     rep.figure(fig, f"context_wedge_{f.slug}.png", "Context wedge: T_iter and step_native/step_windowed − 1 vs S (mean ± 95% CI)")
 
 
@@ -434,8 +440,7 @@ def _log2_panels(panels: Iterable[tuple[object, str]], xs: list[int], xlabel: st
 
 
 def _short_meta(f: ResultFile) -> str:
-    layers = f" · first {f.meta['layers']} layers" if f.meta.get("layers") else ""
-    return f"{f.meta['hardware']} · {'synthetic' if f.meta['synthetic'] else 'real'} · {f.meta['runs']} runs{layers}"
+    return f"{f.meta['hardware']} · {'synthetic' if f.meta['synthetic'] else 'real'} · {f.meta['runs']} runs"
 
 
 def _fit_points(f: ResultFile, mode: str) -> tuple[list[int], list[MeanCI], list[dict]]:
@@ -513,7 +518,7 @@ def _plot_depth(rep: Report, f: ResultFile, fits: dict) -> None:
     ax.set_ylabel("T_iter (ms)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(f"Latency model T_iter = γ·t_draft_fwd + c · {f.meta['model']} · S={f.rows[0]['S']}", fontsize=9)
+    ax.set_title(f"Latency model T_iter = γ·t_draft_fwd + c · {f.model} · S={f.rows[0]['S']}", fontsize=9)
     rep.figure(fig, f"latency_fit_{f.slug}.png", "Latency-model fit per mode: per-run points, mean ± 95% CI, OLS line")
 
 
@@ -559,7 +564,7 @@ def _plot_phases(rep: Report, f: ResultFile) -> None:
     ax.set_ylabel("ms per iteration")
     handles, labels = ax.get_legend_handles_labels()  # top of the stack first
     ax.legend(handles[::-1], labels[::-1], fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_title(f"Phase decomposition · {f.meta['model']} · S={f.rows[0]['S']}", fontsize=9)
+    ax.set_title(f"Phase decomposition · {f.model} · S={f.rows[0]['S']}", fontsize=9)
     ax.grid(axis="y", alpha=0.3)
     rep.figure(fig, f"phases_{f.slug}.png", "Per-iteration phases (stacked means) with the measured T_iter (black bar)")
 
@@ -590,7 +595,7 @@ def section_verify_by_k(rep: Report, f: ResultFile) -> None:
     ax.set_ylabel("t_verify_ovh (ms)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(f"AL-matched verify overhead · {f.meta['model']} · d={f.rows[0]['d']}", fontsize=9)
+    ax.set_title(f"AL-matched verify overhead · {f.model} · d={f.rows[0]['d']}", fontsize=9)
     rep.figure(fig, f"verify_by_k_{f.slug}.png", "t_verify_ovh per accepted count k (mean ± 95% CI)")
 
 
@@ -633,7 +638,7 @@ def _plot_window(rep: Report, f: ResultFile, native: dict | None) -> None:
     _log2_panels(((a1, "T_iter (ms)"), (a2, "T_native / T_W")), xs, "draft keys read: W + sink")
     a1.set_title("per-iteration time vs draft window")
     a2.set_title("cost-side speedup over native (> 1: windowing is cheaper)")
-    fig.suptitle(f"{f.meta['model']} · d={rs[0]['d']} · S={rs[0]['S']} · {_short_meta(f)}", fontsize=9)
+    fig.suptitle(f"{f.model} · d={rs[0]['d']} · S={rs[0]['S']} · {_short_meta(f)}", fontsize=9)
     rep.figure(fig, f"window_{f.slug}.png", "Window dose-response (cost side): T_iter vs W + sink, native as a band; "
                "T_native / T_W (mean ± 95% CI)")
 
@@ -669,7 +674,7 @@ def section_batch_sweep(rep: Report, f: ResultFile) -> None:
     ax.set_ylabel("system throughput (tok/s)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(f"Throughput-latency Pareto (up and right is better) · {f.meta['model']}"
+    ax.set_title(f"Throughput-latency Pareto (up and right is better) · {f.model}"
                  + (f" · S={', '.join(map(str, contexts))}" if contexts else ""), fontsize=9)
     rep.figure(fig, f"pareto_{f.slug}.png", "Pareto: per-user vs system throughput per mode and depth, labelled by batch size B (means over runs); "
                "ringed: the largest batch the pools seat")
@@ -751,7 +756,7 @@ def _plot_alphas(rep: Report, f: ResultFile) -> None:
         ax.set_title(task, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower left")
-    fig.suptitle(f"α_j profiles with Wilson 95% intervals · {f.meta['model']} · {_short_meta(f)}", fontsize=9)
+    fig.suptitle(f"α_j profiles with Wilson 95% intervals · {f.model} · {_short_meta(f)}", fontsize=9)
     rep.figure(fig, f"alpha_{f.slug}.png", "Conditional acceptance α_j per draft position, Wilson 95% intervals (pooled over runs)")
 
 
@@ -898,7 +903,7 @@ def _header(rep: Report, files: list[ResultFile], ignored: list[str], results_di
                 "such runs means nothing.", "")
     rep.add("## Inputs", "")
     rep.table(["file", "kind", "model", "hardware", "dtype", "context", "runs", "date", "commit", "command"],
-              [[f"`{f.path.relative_to(results_dir)}`", f.kind, f.meta["model"], f.meta["hardware"], f.meta["dtype"],
+              [[f"`{f.path.relative_to(results_dir)}`", f.kind, f.model, f.meta["hardware"], f.meta["dtype"],
                 "synthetic" if f.meta["synthetic"] else "real", f.meta["runs"], f.meta["date"][:10], _commit(f),
                 f"`{f.meta['command']}`"] for f in files])
     shapes = {f.meta["model"]: f.meta["shape"] for f in files if f.meta.get("shape")}
