@@ -53,12 +53,12 @@ def cases() -> dict[str, tuple]:
                                  dict(FORMAT=0, HAS_BIAS=False, RELU2=False, HAS_ADD=False, SPLITS=4, WIDEN=False,
                                       PREC="tf32", T_P=16, BLOCK_N=32, BLOCK_K=256, CVT=False, GEMV=False, PDL=True),
                                  {"num_warps": 4})
-    # a router's fp32 logits from bf16 x and weight (fp32_linear: x widened in registers, ieee products)
+    # a router's fp32 logits from bf16 x and weight (fp32_linear: the bf16 dot, fp32 sums and output)
     out["skinny_linear-fp32-out"] = ("wmtp.kernels.linear:_skinny_linear_kernel",
                                      {**LINEAR_TYPES, "W": "*bf16", "S": "*bf16", "BIAS": "*fp32", "ADD": "*fp32",
                                       "OUT": "*fp32"},
-                                     dict(FORMAT=0, HAS_BIAS=False, RELU2=False, HAS_ADD=False, SPLITS=8, WIDEN=True,
-                                          PREC="ieee", T_P=16, BLOCK_N=16, BLOCK_K=128, CVT=False, GEMV=False, PDL=True),
+                                     dict(FORMAT=0, HAS_BIAS=False, RELU2=False, HAS_ADD=False, SPLITS=8, WIDEN=False,
+                                          PREC="tf32", T_P=16, BLOCK_N=16, BLOCK_K=128, CVT=False, GEMV=False, PDL=True),
                                      {"num_warps": 4})
     # the one-row FMA path (LinearTiles.gemv): NVFP4's default (4 warps), FP8's up to 4096 outputs (32 x 128, 8 warps)
     for (fmt, cvt), (bn, bk) in itertools.product(CVT, ((8, 256), (16, 256), (32, 128))):

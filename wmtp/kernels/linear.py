@@ -249,7 +249,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
     falls back to a single 16 x 128 program per K split where it would choose cuBLAS). In the
     same launch, as ``linear_epilogue`` after ``F.linear``: ``relu2``, then ``add`` (x's leading
     shape by N). ``out_dtype=torch.float32`` for a 16-bit x over a float weight: ``F.linear(x.float(),
-    weight.float())``, x widened in registers (no fp32 copy of it)."""
+    weight.float())``. Over a weight of x's dtype that is the 16-bit dot with fp32 sums: a product of
+    two 16-bit values is exact in fp32, so only the sums' order and rounding differ from ieee fp32 dots
+    (max error against an fp64 product 1.3e-6 against their 6.8e-7 for Nemotron-3-Super's 512 x 4096
+    router), at a fifth of their time (on an H100 4.9 against 23.5 us timed alone, 11 against 64 us each
+    inside a dense step under PDL); a weight of the other 16-bit dtype is widened in registers."""
     K = x.shape[-1]
     quant = isinstance(weight, QuantWeight)
     if out_dtype not in (None, x.dtype) and (quant or out_dtype != torch.float32 or add is not None):
@@ -298,7 +302,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
                 HAS_ADD=add is not None, SPLITS=splits,
                 T_P=1 if cfg.gemv else MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=bk, GEMV=cfg.gemv,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                **dot_flags(out.dtype if wide else x.dtype), **e2m1_cvt(x.device), **pdl(x.device))
+                **dot_flags(torch.float32 if wide and weight.dtype != x.dtype else x.dtype), **e2m1_cvt(x.device),
+                **pdl(x.device))
     return out.view(*x.shape[:-1], N)
 
 
@@ -326,7 +331,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``decode_linear(x.float(), weight)`` (a router's fp32 logits over its 16-bit weight); a 16-bit x
-    of up to ``MAX_ROWS`` rows widened in the kernel's registers instead (the same launch, no fp32 copy)."""
+    of up to ``MAX_ROWS`` rows through ``skinny_linear(..., out_dtype=torch.float32)`` instead (no fp32
+    copy of x; the same products, summed in fp32 on the tensor cores)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and weight.stride(-1) == 1 \
             and _takes(torch.float32, weight):
