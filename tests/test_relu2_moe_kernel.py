@@ -99,13 +99,31 @@ def test_relu2_moe_matches_the_twin(fmt, tokens, monkeypatch):
     up, down = _experts(E, inter, W, 8, dtype, fmt), _experts(E, W, inter, 9, dtype, fmt)
     g = torch.Generator().manual_seed(10)
     x, latent = torch.randn(tokens, H, generator=g).to(DEVICE), torch.randn(tokens, W, generator=g).to(DEVICE)
-    want = TorchBackend().relu2_moe(x, latent, r, up, down)
+    want = TorchBackend().relu2_moe(x, r, up, down, lambda _: latent)
     import wmtp.kernels.moe as moe
 
     calls = []
     gemv = moe.relu2_moe_gemv
     monkeypatch.setattr(moe, "relu2_moe_gemv", lambda *a: calls.append(1) or gemv(*a))
-    assert _close(TritonBackend().relu2_moe(x, latent, r, up, down), want) and calls == [1]
+    assert _close(TritonBackend().relu2_moe(x, r, up, down, lambda _: latent), want) and calls == [1]
+
+
+def test_the_router_reads_x_before_the_latent_projection(monkeypatch):
+    """At decode sizes the router's launch comes first and the latent projection after it (the
+    router's launch then follows the norm's, not the projection's); the result is the twin's."""
+    E, H, W, inter, top_k = 64, 96, 32, 48, 22
+    r = _routing(E, H, top_k, seed=19)
+    up, down = _experts(E, inter, W, 20, torch.float32), _experts(E, W, inter, 21, torch.float32)
+    g = torch.Generator().manual_seed(22)
+    x, proj = torch.randn(1, H, generator=g).to(DEVICE), torch.randn(W, H, generator=g).to(DEVICE) * H**-0.5
+    import wmtp.kernels.moe as moe
+
+    order = []
+    router = moe.fp32_linear
+    monkeypatch.setattr(moe, "fp32_linear", lambda *a: order.append("router") or router(*a))
+    got = TritonBackend().relu2_moe(x, r, up, down, lambda t: order.append("latent") or F.linear(t, proj))
+    assert order == ["router", "latent"]
+    assert _close(got, TorchBackend().relu2_moe(x, r, up, down, lambda t: F.linear(t, proj)))
 
 
 def test_relu2_moe_with_router_groups_takes_the_reference_route():
@@ -115,7 +133,8 @@ def test_relu2_moe_with_router_groups_takes_the_reference_route():
     up, down = _experts(E, inter, W, 12, torch.float32), _experts(E, W, inter, 13, torch.float32)
     g = torch.Generator().manual_seed(14)
     x, latent = torch.randn(3, H, generator=g).to(DEVICE), torch.randn(3, W, generator=g).to(DEVICE)
-    assert _close(TritonBackend().relu2_moe(x, latent, r, up, down), TorchBackend().relu2_moe(x, latent, r, up, down))
+    assert _close(TritonBackend().relu2_moe(x, r, up, down, lambda _: latent),
+                  TorchBackend().relu2_moe(x, r, up, down, lambda _: latent))
 
 
 @pytest.mark.gpu
@@ -130,4 +149,5 @@ def test_grouped_relu2_experts_gpu():
     x = torch.randn(T, H, generator=g).to(DEVICE, torch.bfloat16)
     latent = torch.randn(T, W, generator=g).to(DEVICE, torch.bfloat16)
     assert grouped_mm_supported(latent)
-    assert _close(TritonBackend().relu2_moe(x, latent, r, up, down), TorchBackend().relu2_moe(x, latent, r, up, down))
+    assert _close(TritonBackend().relu2_moe(x, r, up, down, lambda _: latent),
+                  TorchBackend().relu2_moe(x, r, up, down, lambda _: latent))

@@ -253,9 +253,9 @@ class ExpertCounter:
             self._count(router_weight, torch.topk(F.linear(x, router_weight).float(), top_k, dim=-1).indices)
             return moe(x, router_weight, gate_up, down, top_k, norm_topk_prob, shared)
 
-        def counted_relu2_moe(x: torch.Tensor, latent: torch.Tensor, routing: SigmoidRouting, up, down) -> torch.Tensor:
+        def counted_relu2_moe(x: torch.Tensor, routing: SigmoidRouting, up, down, latent_proj=None) -> torch.Tensor:
             self._count(routing.weight, sigmoid_route(x, routing)[1])
-            return relu2_moe(x, latent, routing, up, down)
+            return relu2_moe(x, routing, up, down, latent_proj)
 
         backend.moe, backend.relu2_moe = counted_moe, counted_relu2_moe
         return self

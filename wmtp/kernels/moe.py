@@ -28,7 +28,7 @@ output is), and expert outputs are rounded before the weighted sum.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -725,12 +725,13 @@ def grouped_experts(x: torch.Tensor, first: Weight, down: Weight, top_w: torch.T
     return combine_sorted(_grouped_mm(h, down, offs), pos, top_w)
 
 
-def relu2_moe_gemv(x: torch.Tensor, latent: torch.Tensor, routing: SigmoidRouting, up: Weight,
-                   down: Weight) -> torch.Tensor:
+def relu2_moe_gemv(x: torch.Tensor, routing: SigmoidRouting, up: Weight, down: Weight,
+                   latent_proj: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``Backend.relu2_moe`` at decode sizes (one router group): the router GEMM in fp32 over its
-    16-bit weight (``fp32_linear``), then three launches (sigmoid route, ReLU² up per pair, down
-    + combine)."""
+    16-bit weight (``fp32_linear``) and the sigmoid route, then ``latent_proj``'s launches, then
+    two (ReLU² up per pair, down + combine)."""
     r = route_topk(fp32_linear(x, routing.weight), routing.top_k, routing.norm_topk_prob,
                    sigmoid_bias=routing.bias, scale=routing.scale)
+    latent = x if latent_proj is None else latent_proj(x)
     h = relu2_gemv(latent, up, r.experts.view(-1), routing.top_k)
     return down_combine(h, down, r.experts, r.weights, routing.top_k)

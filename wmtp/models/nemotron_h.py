@@ -98,8 +98,8 @@ class LatentMoE(nn.Module):
         c = self.cfg
         routing = SigmoidRouting(self.gate.weight, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
                                  c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
-        latent = self.fc1_latent_proj(x) if c.moe_latent_size else x
-        routed = self.backend.relu2_moe(x, latent, routing, *self.experts.weights())
+        routed = self.backend.relu2_moe(x, routing, *self.experts.weights(),
+                                        self.fc1_latent_proj if c.moe_latent_size else None)
         if c.moe_latent_size:
             routed = self.fc2_latent_proj(routed)
         return self.shared_experts(x, add=routed)
