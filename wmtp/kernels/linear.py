@@ -234,8 +234,8 @@ def skinny_rows(name: str, x: torch.Tensor, n: int, bias: torch.Tensor | None, m
 
 def _takes(dtype: torch.dtype, weight: torch.Tensor) -> bool:
     """A float weight the kernel reads for products in ``dtype`` (x's, or fp32 for an fp32 result):
-    that dtype, or 16 bits for fp32 (widened in registers: an fp32 router over its bf16 checkpoint
-    weight, without an fp32 copy)."""
+    that dtype, or 16 bits for fp32 (an fp32 x's products or a router's fp32 logits over its bf16
+    checkpoint weight, without an fp32 copy of it)."""
     return weight.dtype == dtype or dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16)
 
 
@@ -259,7 +259,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: tor
     if out_dtype not in (None, x.dtype) and (quant or out_dtype != torch.float32 or add is not None):
         raise ValueError(f"skinny_linear: out_dtype {out_dtype} for {x.dtype} x: only torch.float32, over a float "
                          f"weight, without add")
-    wide = out_dtype == torch.float32  # the products and sums of an fp32 x
+    wide = out_dtype == torch.float32  # an fp32 result from a 16-bit x
     if len(weight.shape) != 2 or weight.shape[1] != K or not quant and (
             weight.stride(1) != 1 or not _takes(torch.float32 if wide else x.dtype, weight)):
         kind = weight.format.name if quant else weight.dtype
