@@ -218,7 +218,9 @@ class DecodeGraphs:
         if self.drafting:  # and all four as one replay: each graph launch adds a ~5 us gap on the GPU
             fns.update(chain=self._chain, accept=self._accept, extend=self._extend, iteration=self._iteration)
         for name, fn in fns.items():
-            self.graphs[name] = self._capture(fn, pool) if capture else self._warm(fn)
+            self.graphs[name] = self._capture(fn, pool) if capture else fn
+        if not capture:  # the iteration calls every part: one warm-up run of it covers them all
+            self._warm(fns["iteration" if self.drafting else "verify"])
         self._fill_safe()
         # every step went through torch.compile (False: eager, by choice or by dynamo's fallback)
         self.compiled = compiler is not None and compiler.compiled
@@ -297,11 +299,10 @@ class DecodeGraphs:
         self.run_stage()
         self.loaded = None
 
-    def _warm(self, fn: Callable[[], None]) -> Callable[[], None]:
-        """The uncaptured twin of ``_capture``: the same warm-up run on inactive rows."""
+    def _warm(self, fn: Callable[[], None]) -> None:
+        """The uncaptured twin of ``_capture``'s warm-up: a run on inactive rows."""
         self._fill_safe()
         fn()
-        return fn
 
     # ---- device-side staging (start of the iteration) and advance (end of it) -----------------
     def _draft_slots(self, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
