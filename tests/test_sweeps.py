@@ -289,11 +289,28 @@ def test_bad_values_name_the_option_argparse(argv, option, tmp_path, capsys):
     (["depth", "--fit-d", "5,3"], "--fit-d"),
     (["window", "--windows", "0,32"], "--windows"),
     (["context", "--accept", "-1"], "--accept"),
+    (["depth", "--layers", "9"], "--layers=9"),
 ])
 def test_bad_values_name_the_option(argv, option, tmp_path, capsys):
     assert main(["bench", argv[0], "--out", str(tmp_path)] + argv[1:] + TINY) == 2
     assert option in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_layers_builds_the_first_layers_and_records_them(tmp_path):
+    """``--layers N`` (as ``bench step``'s): the sweep's model is the preset's first N layers, recorded
+    in meta, its floor counting only those (the first two of tiny-qwen3-next: one GDN, one attention)."""
+    argv = ["bench", "depth", "--depths", "2", "--runs", "1", "--iters", "2", "--context", "64"] + TINY
+    argv[argv.index(PRESET)] = "tiny-qwen3-next"
+    floors = {}
+    for layers in (None, 2):
+        out = tmp_path / str(layers)
+        assert main(argv + ["--out", str(out)] + ([] if layers is None else ["--layers", str(layers)])) == 0
+        f = json.loads((out / "depth_sweep.json").read_text())
+        assert f["meta"]["layers"] == layers
+        assert f["meta"]["shape"]["layers"] == (layers or 4) and f["meta"]["shape"]["full_attention_layers"] == (layers or 4) // 2
+        floors[layers] = {r["mode"]: r["floor_bytes"] for r in f["rows"]}
+    assert all(0 < floors[2][m] < floors[None][m] for m in floors[None])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")

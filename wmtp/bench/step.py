@@ -545,9 +545,7 @@ def add_args(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
         add_engine_args(s)
         s.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                        help="shard the model over N ranks, one process (and GPU) each; rank 0 reports")
-        s.add_argument("--layers", type=int, default=None, metavar="N",
-                       help="the preset's first N layers only: each costs what it does in the whole model, "
-                            "for cost runs on a GPU the whole one does not fit (recorded in the results)")
+        add_layers_arg(s)
         if name == "step":
             s.add_argument("--context", type=int, default=1_040_000, help="S, synthetic")
             s.add_argument("--iters", type=int, default=60)
@@ -592,18 +590,34 @@ def check_bounds(at_least_one: dict[str, float], at_least_zero: dict[str, float]
                 raise WmtpError(f"{opt}={v} must be >= {low}")
 
 
+def check_layers(a: argparse.Namespace) -> None:
+    """``--layers N``: a preset's (a checkpoint loads whole), N within its layer count; WmtpError
+    naming the option, before anything loads or is timed."""
+    if a.layers is None:
+        return
+    from wmtp.errors import WmtpError
+    from wmtp.presets import PRESETS, preset_config
+
+    if a.preset not in PRESETS:
+        raise WmtpError(f"--layers={a.layers} applies to presets; {a.preset!r} is not one (a checkpoint loads whole)")
+    n = preset_config(a.preset).num_layers
+    if not 1 <= a.layers <= n:
+        raise WmtpError(f"--layers={a.layers}: the model has {n} layers; keep between 1 and {n}")
+
+
+def add_layers_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="the preset's first N layers only: each costs what it does in the whole model, "
+                        "for cost runs on a GPU the whole one does not fit (recorded in the results)")
+
+
 def check_options(a: argparse.Namespace) -> None:
     """``step`` / ``ttft``'s options, before the model loads or anything is timed: counts and sizes
     in their bounds, and every mode label a SpecConfig and KV dtype (``parse_mode``, ``_spec``)."""
     from wmtp.errors import WmtpError
 
     counts = {"--page-size": a.page_size, "--window": a.window}
-    if a.layers is not None:
-        from wmtp.presets import PRESETS, preset_config
-
-        if a.preset not in PRESETS:
-            raise WmtpError(f"--layers={a.layers} applies to presets; {a.preset!r} is not one (a checkpoint loads whole)")
-        preset_config(a.preset).first_layers(a.layers)  # the count in bounds, before anything is timed
+    check_layers(a)
     if a.bench == "step":
         check_bounds({**counts, "--context": a.context, "--iters": a.iters, "--max-admit": a.max_admit},
                      {"--warmup": a.warmup, "--accept": a.accept, "--sink": a.sink, "--reserve-gib": a.reserve_gib})

@@ -39,6 +39,7 @@ import torch
 from wmtp.bench.cells import (
     BatchLadder, Bench, Cell, Measure, MemoryFill, Phases, TIter, VerifyByK, open_cell,
 )
+from wmtp.bench.step import add_layers_arg, check_layers
 from wmtp.engine.config import MODES
 from wmtp.errors import WmtpError
 
@@ -302,8 +303,8 @@ def make_bench(a: argparse.Namespace) -> Bench:
     device = torch.device(a.device)
     bw = measure_bandwidth(device)["read_bytes_per_s"] if device.type == "cuda" and a.floor else None
     t0 = time.perf_counter()
-    model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend)
-    print(f"model {a.preset} on {device} ({a.backend}) built in {time.perf_counter() - t0:.1f} s"
+    model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend, layers=a.layers)
+    print(f"model {a.preset}{'' if a.layers is None else f' (first {a.layers} layers)'} on {device} ({a.backend}) built in {time.perf_counter() - t0:.1f} s"
           + (f"; read bandwidth {bw / 1e12:.2f} TB/s" if bw else ""), flush=True)
     return Bench(model, device, a, bw)
 
@@ -418,6 +419,7 @@ def _options(p: argparse.ArgumentParser, suite: bool) -> None:
                        help=f"which, in this order (default {SUITE_DEFAULT})")
     p.add_argument("--out", required=True, help="directory for the results JSON (one <kind>.json per sweep)")
     p.add_argument("--preset", default="qwen3.6-35b-a3b")
+    add_layers_arg(p)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, the preset's own on CPU")
     p.add_argument("--backend", default="auto", help="torch | triton | auto (triton on CUDA)")
@@ -465,6 +467,7 @@ def check_options(a: argparse.Namespace, names: list[str]) -> None:
                 "--k-iters": a.k_iters or 1, "--contexts": min(a.contexts), "--windows": min(a.windows),
                 "--batch-ladder": min(a.batch_ladder)}
     check_bounds(positive, {"--accept": a.accept, "--sink": a.sink, "--reserve-gib": a.reserve_gib})
+    check_layers(a)
     if a.d < 2 and any(m != "dense" for m in a.modes + a.batch_modes):
         raise WmtpError(f"-d={a.d}: speculative modes need d >= 2")
     if "depth" in names and min(a.depths) < 2:
