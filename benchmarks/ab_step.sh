@@ -7,7 +7,8 @@
 #                                                           #    $OUT/ab_summary.txt
 #   or, the working tree under settings: benchmarks/ab_step.sh env ROUNDS MODES VAR=VALUE [VAR=VALUE ...]
 #                                                           # -> $OUT/ab_VAR-VALUE_*.json, the first the baseline
-# Env: PRESET (qwen3.6-35b-a3b), CONTEXT (1040000), D (7), ITERS (60); BENCH=ttft: TOKENS (131072),
+# Env: PRESET (qwen3.6-35b-a3b), LAYERS (the preset's first N layers only; default all), CONTEXT (1040000), D (7),
+# ITERS (60); BENCH=ttft: TOKENS (131072),
 # CHUNK (16384), and the prefill's split (attention / recurrent / MoE / rest) in the summary.
 set -euo pipefail
 cmd=${1:-}
@@ -54,7 +55,7 @@ run | env)
         args=(step --context "${CONTEXT:-1040000}" --iters "${ITERS:-60}")
       fi
       (cd "${dir[$rev]}" && export "${setting[$rev]}" && PYTHONPATH="${dir[$rev]}:$site" PYTHONUNBUFFERED=1 python3 -m wmtp bench \
-         "${args[@]}" --preset "${PRESET:-qwen3.6-35b-a3b}" -d "${D:-7}" --modes "$modes" \
+         "${args[@]}" --preset "${PRESET:-qwen3.6-35b-a3b}" ${LAYERS:+--layers "$LAYERS"} -d "${D:-7}" --modes "$modes" \
          --out "$out/ab_${rev}_$r.json" | grep -E "t_iter |TTFT" || true)
       [[ -f "$out/ab_${rev}_$r.json" ]] || echo "ab_step.sh: $rev round $r failed (no JSON)" | tee -a "$out/ab_summary.txt" >&2
     done
