@@ -91,3 +91,25 @@ def test_arrival_counters_are_one_fixed_buffer():
     dev = torch.device(DEVICE)
     first = arrival_counters(dev, 4)
     assert arrival_counters(dev, MAX_COUNTERS).data_ptr() == first.data_ptr()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="streams that run at once need a GPU")
+def test_split_k_launches_on_concurrent_streams_count_apart():
+    """Split-K launches on two streams at once (``Backend.concurrent``) each take their stream's
+    counters: with one shared buffer a column block's last program came out of the other launch's
+    counts, and sums went out partial or twice (a Nemotron-H step's routing then collapsed)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 4096, generator=g).to(DEVICE, torch.bfloat16)
+    ws = [(torch.randn(4096, 4096, generator=g) * 4096**-0.5).to(DEVICE, torch.bfloat16) for _ in range(2)]
+    want = [skinny_linear(x, w, tiles=LinearTiles(32, 128, 8, 4)) for w in ws]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        theirs = arrival_counters(x.device, 1).data_ptr()
+    assert theirs != arrival_counters(x.device, 1).data_ptr()
+    for _ in range(50):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            b = [skinny_linear(x, ws[1], tiles=LinearTiles(32, 128, 8, 4)) for _ in range(4)]
+        a = [skinny_linear(x, ws[0], tiles=LinearTiles(32, 128, 8, 4)) for _ in range(4)]
+        torch.cuda.current_stream().wait_stream(side)
+        assert all(torch.equal(t, want[0]) for t in a) and all(torch.equal(t, want[1]) for t in b)

@@ -83,20 +83,22 @@ def launch_splits(gpu: int) -> int:
     return 1 if _WHOLE_TILES else gpu
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 MAX_COUNTERS = 1 << 16
 
 
 def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 counters for launches whose last-arriving program of a group finishes the
-    group's work (and zeroes its counter again). One fixed buffer per device, never reallocated:
-    captured CUDA graphs keep its address. Such launches run on one stream at a time, as the
-    engine's do."""
+    group's work (and zeroes its counter again). One fixed buffer per device and current stream,
+    never reallocated: captured CUDA graphs keep its address, and launches on streams that run at
+    once (``Backend.concurrent``) never count into one another's groups. Launches on one stream
+    run one after another, so they share its buffer."""
     if n > MAX_COUNTERS:
         raise ValueError(f"arrival_counters: {n} groups in one launch; at most {MAX_COUNTERS}")
-    c = _COUNTERS.get(device)
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    c = _COUNTERS.get(key)
     if c is None:
-        c = _COUNTERS[device] = torch.zeros(MAX_COUNTERS, device=device, dtype=torch.int32)
+        c = _COUNTERS[key] = torch.zeros(MAX_COUNTERS, device=device, dtype=torch.int32)
     return c
 
 
