@@ -148,6 +148,17 @@ def compile_steps(device: torch.device, capture: bool) -> bool:
     return flag == "1" or (flag != "0" and capture and device.type == "cuda")
 
 
+_WARM_UP_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _warm_up_stream(device: int) -> torch.cuda.Stream:
+    """The side stream every capture warms up on, one per device (kernels' per-stream buffers,
+    ``arrival_counters``, then stay one per device, not one per capture)."""
+    if device not in _WARM_UP_STREAMS:
+        _WARM_UP_STREAMS[device] = torch.cuda.Stream(device)
+    return _WARM_UP_STREAMS[device]
+
+
 class DecodeGraphs:
     """The static buffers, contexts and (optionally captured) graphs for batches of ``B`` greedy
     requests of one engine. One iteration: ``load`` (a no-op while the batch is unchanged), ``run``
@@ -419,7 +430,7 @@ class DecodeGraphs:
 
     def _capture(self, fn: Callable[[], None], pool) -> Callable[[], None]:
         self._fill_safe()
-        stream = torch.cuda.Stream()
+        stream = _warm_up_stream(torch.cuda.current_device())
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn()  # warm-up: compiles kernels, settles the allocator (inactive rows: writes go to trash slots)
