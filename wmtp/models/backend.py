@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from wmtp.config import Mamba2Shape
 from wmtp.engine.window import causal_key_positions
-from wmtp.kernels.common import SharedExpert, SigmoidRouting, acc_dtype, gpu_feature, linear_epilogue
+from wmtp.kernels.common import SharedExpert, SigmoidRouting, acc_dtype, linear_epilogue
 from wmtp.models.context import ForwardContext
 from wmtp.models.rope import apply_rotary
 from wmtp.quant import QuantWeight, bytewise, dense, dequantize_kv, quantize_kv
@@ -198,13 +198,6 @@ class Backend(ABC):
         decode sizes the router's launch then follows the norm's, not the projection's (a 44-layer
         Nemotron-3-Super step on an H100: dense 4.88 -> 4.77 ms). Returns the weighted sum [T, W] in
         the latent's dtype."""
-
-
-    def concurrent(self, x: torch.Tensor, main: Callable[[], torch.Tensor], side: Callable[[], torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(main(), side())`` for two independent parts of a layer over x (neither reads the other's
-        result); a backend may run them at once. The reference runs them in turn."""
-        return main(), side()
 
 
 _REGISTRY: dict[str, Callable[[], Backend]] = {}
@@ -437,29 +430,6 @@ class TritonBackend(TorchBackend):
     ``wmtp.kernels.flash_prefill``), routed experts through the pair-wise GEMV at decode sizes or
     grouped GEMMs beyond (``wmtp.kernels.moe``), the recurrent / fla-chunked gated delta rule (``wmtp.kernels.gdn``) and
     fused RMSNorms (``wmtp.kernels.norm``). fp64 (exactness tests) stays on the reference."""
-
-    def __init__(self) -> None:
-        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-    def concurrent(self, x, main, side):
-        """On a CUDA device ``side`` runs on a second stream while ``main`` runs on the current one
-        (in a CUDA graph: two branches), then the current stream waits for it: at decode sizes both
-        parts are chains of short, latency-bound kernels that each leave most of the HBM bandwidth
-        idle. Memory is safe in stream order: x is read before anything after the join can reuse it,
-        and the side stream waits for the current one before each use, so a block it allocated and
-        the current stream read is reused only after that read. ``WMTP_SIDE_STREAM=0``: in turn."""
-        if not gpu_feature(x.device, (7, 0), "WMTP_SIDE_STREAM"):
-            return main(), side()
-        cur = torch.cuda.current_stream(x.device)
-        alt = self._side_streams.get(x.device)
-        if alt is None:
-            alt = self._side_streams[x.device] = torch.cuda.Stream(x.device)
-        alt.wait_stream(cur)
-        with torch.cuda.stream(alt):
-            b = side()
-        a = main()
-        cur.wait_stream(alt)
-        return a, b
 
     def attention(self, q, k, v, k_cache, v_cache, ctx, scale, gate=None, kv_scale=(1.0, 1.0)):
         if q.dtype == torch.float64:

@@ -98,12 +98,11 @@ class LatentMoE(nn.Module):
         c = self.cfg
         routing = SigmoidRouting(self.gate.weight, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
                                  c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
-        routed, shared = self.backend.concurrent(
-            x, lambda: self.backend.relu2_moe(x, routing, *self.experts.weights(),
-                                              self.fc1_latent_proj if c.moe_latent_size else None),
-            lambda: self.shared_experts(x))
-        # the sum in the last projection's epilogue (bf16 addition commutes: the same bits either way)
-        return self.fc2_latent_proj(routed, add=shared) if c.moe_latent_size else routed + shared
+        routed = self.backend.relu2_moe(x, routing, *self.experts.weights(),
+                                        self.fc1_latent_proj if c.moe_latent_size else None)
+        if c.moe_latent_size:
+            routed = self.fc2_latent_proj(routed)
+        return self.shared_experts(x, add=routed)
 
 
 class NemotronHBlock(nn.Module):
