@@ -95,9 +95,9 @@ def test_arrival_counters_are_one_fixed_buffer():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="streams that run at once need a GPU")
 def test_split_k_launches_on_concurrent_streams_count_apart():
-    """Split-K launches on two streams at once (``Backend.concurrent``) each take their stream's
-    counters: with one shared buffer a column block's last program came out of the other launch's
-    counts, and sums went out partial or twice (a Nemotron-H step's routing then collapsed)."""
+    """Split-K launches on two streams at once each take their stream's counters: with one buffer
+    for both, a column block's "last" program is decided by the other launch's arrivals too, and
+    its sum misses splits or comes out twice."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(8, 4096, generator=g).to(DEVICE, torch.bfloat16)
     ws = [(torch.randn(4096, 4096, generator=g) * 4096**-0.5).to(DEVICE, torch.bfloat16) for _ in range(2)]

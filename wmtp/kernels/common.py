@@ -91,8 +91,8 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 counters for launches whose last-arriving program of a group finishes the
     group's work (and zeroes its counter again). One fixed buffer per device and current stream,
     never reallocated: captured CUDA graphs keep its address, and launches on streams that run at
-    once (``Backend.concurrent``) never count into one another's groups. Launches on one stream
-    run one after another, so they share its buffer."""
+    once (two engines in a process, a layer's independent parts on two streams) never count into
+    one another's groups. Launches on one stream run one after another, so they share its buffer."""
     if n > MAX_COUNTERS:
         raise ValueError(f"arrival_counters: {n} groups in one launch; at most {MAX_COUNTERS}")
     key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
