@@ -87,6 +87,12 @@ _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 MAX_COUNTERS = 1 << 16
 
 
+def _raw_stream(device: torch.device) -> int:
+    """The current CUDA stream's handle, as Triton's launcher reads it (a Python ``Stream`` object
+    per launch would cost more host time than the eager path's launches can spare)."""
+    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 counters for launches whose last-arriving program of a group finishes the
     group's work (and zeroes its counter again). One fixed buffer per device and current stream,
@@ -95,7 +101,7 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     one another's groups. Launches on one stream run one after another, so they share its buffer."""
     if n > MAX_COUNTERS:
         raise ValueError(f"arrival_counters: {n} groups in one launch; at most {MAX_COUNTERS}")
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    key = (device, _raw_stream(device) if device.type == "cuda" else 0)
     c = _COUNTERS.get(key)
     if c is None:
         c = _COUNTERS[key] = torch.zeros(MAX_COUNTERS, device=device, dtype=torch.int32)
