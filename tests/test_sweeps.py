@@ -308,7 +308,8 @@ def test_layers_builds_the_first_layers_and_records_them(tmp_path):
         assert main(argv + ["--out", str(out)] + ([] if layers is None else ["--layers", str(layers)])) == 0
         f = json.loads((out / "depth_sweep.json").read_text())
         assert f["meta"]["layers"] == layers
-        assert f["meta"]["shape"]["layers"] == (layers or 4) and f["meta"]["shape"]["full_attention_layers"] == (layers or 4) // 2
+        shape = f["meta"]["shape"]
+        assert shape["layers"] == (layers or 4) and shape["full_attention_layers"] == (layers or 4) // 2
         floors[layers] = {r["mode"]: r["floor_bytes"] for r in f["rows"]}
     assert all(0 < floors[2][m] < floors[None][m] for m in floors[None])
 

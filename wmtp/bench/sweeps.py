@@ -304,7 +304,8 @@ def make_bench(a: argparse.Namespace) -> Bench:
     bw = measure_bandwidth(device)["read_bytes_per_s"] if device.type == "cuda" and a.floor else None
     t0 = time.perf_counter()
     model = wmtp.load_model(a.preset, device=a.device, dtype=a.dtype, backend=a.backend, layers=a.layers)
-    print(f"model {a.preset}{'' if a.layers is None else f' (first {a.layers} layers)'} on {device} ({a.backend}) built in {time.perf_counter() - t0:.1f} s"
+    part = "" if a.layers is None else f" (first {a.layers} layers)"
+    print(f"model {a.preset}{part} on {device} ({a.backend}) built in {time.perf_counter() - t0:.1f} s"
           + (f"; read bandwidth {bw / 1e12:.2f} TB/s" if bw else ""), flush=True)
     return Bench(model, device, a, bw)
 
