@@ -40,6 +40,10 @@ def main() -> None:
                          "host waited on the stream (blocking copies, .item(), .tolist()) by Python stack")
     ap.add_argument("--timeline", help="also write every profiled kernel (name, start, duration in us) as JSON here")
     ap.add_argument("--layers", type=int, default=None, help="the preset's first N layers only (bench step's --layers)")
+    ap.add_argument("--linears", action="store_true",
+                    help="decode iterations: also the skinny linears by shape (N x K, rows, weight format) with "
+                         "their time and read rate, the profiled launches matched in order to one eager "
+                         "iteration's calls")
     a = ap.parse_args()
     model = wmtp.load_model(a.preset, device="cuda", dtype="bfloat16", backend="triton", layers=a.layers)
     with open(a.out, "w") as f:
@@ -61,6 +65,7 @@ def main() -> None:
                 force_acceptance(eng, min(3, spec.gamma))
                 for _ in range(3):
                     eng.step()
+                calls = linear_calls(eng) if a.linears else None
                 what = f"{a.iters} iterations, graphs {a.graphs}"
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -74,6 +79,8 @@ def main() -> None:
             if a.timeline:
                 write_timeline(prof, a.timeline.replace(".json", f"_{mode}.json"), f"{mode}, {what}")
             f.write(f"==== {mode}: kernels per iteration ({what})\n{summary['table']}\n")
+            if calls is not None:
+                f.write(f"==== {mode}: skinny linears by shape ({what})\n{linears_table(prof, calls, a.iters)}\n")
             for key in ("self_cpu_time_total", "cuda_time_total"):
                 f.write(f"==== {mode}: by {key} ({what})\n")
                 f.write(prof.key_averages().table(sort_by=key, row_limit=25) + "\n")
@@ -120,6 +127,63 @@ def sync_sites(eng: Engine, prompt: list[int]) -> str:
         f"{c:5d}x\n{stack}" for stack, c in sites.most_common()) if sites else "none"
 
 
+def linear_calls(eng: Engine) -> list[tuple[str, int]]:
+    """The skinny linear kernel's launches in one eager iteration, in order: (shape label, bytes of
+    the weight it reads). A launch takes up to ``MAX_ROWS`` rows, so a call of more makes several.
+    The static iteration (what graphs replay) makes the same launches in the same order, but its
+    draft-extend's take d rows where the eager one's take the a + 1 accepted."""
+    import wmtp.kernels.linear as lin
+    from wmtp.quant import QuantWeight
+
+    calls, skinny = [], lin.skinny_linear
+
+    def record(x, weight, *args, **kwargs):
+        rows = x.numel() // x.shape[-1]
+        fmt = weight.format.name if isinstance(weight, QuantWeight) else str(weight.dtype).removeprefix("torch.")
+        tensors = weight.tensors.values() if isinstance(weight, QuantWeight) else [weight]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        for lo in range(0, rows, lin.MAX_ROWS):
+            calls.append((f"{weight.shape[0]:>6} x {weight.shape[1]:<6} {min(lin.MAX_ROWS, rows - lo):>2} rows {fmt}", nbytes))
+        return skinny(x, weight, *args, **kwargs)
+
+    lin.skinny_linear = record
+    try:
+        with eng.eager_iterations():
+            eng.step()
+    finally:
+        lin.skinny_linear = skinny
+    return calls
+
+
+def linears_table(prof, calls: list[tuple[str, int]], iters: int) -> str:
+    """The profiled ``_skinny_linear_kernel`` launches matched in order to ``calls`` (one iteration's),
+    grouped by shape: launches and exclusive time per iteration, and the weight bytes read per
+    exclusive second. Said so, and nothing matched, where the counts differ."""
+    excl = [x for name, x in exclusive_times(_kernels(prof)) if name.startswith("_skinny_linear_kernel")]
+    if len(excl) != iters * len(calls):
+        return (f"{len(excl)} launches profiled over {iters} iterations against {len(calls)} in the eager iteration: "
+                "not matched")
+    groups: dict[str, list[float]] = {}
+    for i, t in enumerate(excl):
+        label, nbytes = calls[i % len(calls)]
+        g = groups.setdefault(label, [0, 0.0, 0.0])
+        g[0], g[1], g[2] = g[0] + 1, g[1] + t, g[2] + nbytes
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][1])
+    return ("     excl   calls    MB/call   read GB/s  shape\n"
+            + "\n".join(f"{t / iters / 1e3:6.3f} ms {c / iters:6.1f}x {b / c / 1e6:9.2f} {b / t / 1e3:10.0f}  {label}"
+                         for label, (c, t, b) in rows))
+
+
+def exclusive_times(kernels: list) -> list[tuple[str, float]]:
+    """Each kernel's time past the end of everything launched before it (us): with PDL a kernel
+    starts before its predecessor ends and waits for it, so its span overlaps the previous one's."""
+    out, seen_end = [], kernels[0].time_range.start if kernels else 0.0
+    for e in kernels:
+        out.append((e.name, max(0.0, e.time_range.end - max(e.time_range.start, seen_end))))
+        seen_end = max(seen_end, e.time_range.end)
+    return out
+
+
 def _kernels(prof) -> list:
     return sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start),
                   key=lambda e: e.time_range.start)
@@ -152,17 +216,13 @@ def kernel_summary(prof, iters: int) -> dict:
     busy += cur_hi - cur_lo
     span = kernels[-1].time_range.end - kernels[0].time_range.start
     total = sum(e.time_range.elapsed_us() for e in kernels)
-    # a kernel launched with PDL starts before its predecessor ends and waits for it: its span overlaps the
-    # previous kernel's, so each kernel is also charged only the time past everything launched before it
-    # (the exclusive column sums to the busy time)
+    # each kernel is also charged only its exclusive time (``exclusive_times``; the column sums to the busy time)
     groups: dict[str, list[float]] = {}
-    seen_end = kernels[0].time_range.start
-    for e in kernels:
+    for e, (_, x) in zip(kernels, exclusive_times(kernels)):
         g = groups.setdefault(e.name[:90], [0, 0.0, 0.0])
         g[0] += 1
         g[1] += e.time_range.elapsed_us()
-        g[2] += max(0.0, e.time_range.end - max(e.time_range.start, seen_end))
-        seen_end = max(seen_end, e.time_range.end)
+        g[2] += x
     rows = sorted(groups.items(), key=lambda kv: -kv[1][2])
     table = ("     excl         span   calls   span/call\n"
              + "\n".join(f"{x / iters / 1e3:9.3f} ms {t / iters / 1e3:9.3f} ms {c / iters:7.1f}x {t / c:8.2f} us  {n}"
