@@ -139,11 +139,12 @@ def linear_calls(eng: Engine) -> list[tuple[str, int]]:
 
     def record(x, weight, *args, **kwargs):
         rows = x.numel() // x.shape[-1]
-        fmt = weight.format.name if isinstance(weight, QuantWeight) else str(weight.dtype).removeprefix("torch.")
-        tensors = weight.tensors.values() if isinstance(weight, QuantWeight) else [weight]
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        quant = isinstance(weight, QuantWeight)
+        fmt = weight.format.name if quant else str(weight.dtype).removeprefix("torch.")
+        n, k = weight.shape
+        nbytes = weight.format.weight_bytes(n, k) if quant else weight.numel() * weight.element_size()  # as the floor
         for lo in range(0, rows, lin.MAX_ROWS):
-            calls.append((f"{weight.shape[0]:>6} x {weight.shape[1]:<6} {min(lin.MAX_ROWS, rows - lo):>2} rows {fmt}", nbytes))
+            calls.append((f"{n:>6} x {k:<6} {min(lin.MAX_ROWS, rows - lo):>2} rows {fmt}", nbytes))
         return skinny(x, weight, *args, **kwargs)
 
     lin.skinny_linear = record
