@@ -2,9 +2,10 @@
 # A/B on one GPU: bench step's T_iter (or, BENCH=ttft, a real prefill's TTFT) for several revisions,
 # interleaved round by round. Machines of the same GPU model differ by a few percent in T_iter (power cap, clocks), so
 # runs on different machines cannot resolve a 1% change; interleaving on one can.
-#   here:       benchmarks/ab_step.sh pack REV [REV ...]   # git archive each into .ab/<rev>.tar
+#   here:       benchmarks/ab_step.sh pack REV [REV ...]   # git archive each into .ab/<rev>.tar (gzip, ~9 MB)
 #   on the GPU: benchmarks/ab_step.sh run [ROUNDS] [MODES]  # (carry .ab and .whl) -> $OUT/ab_*.json,
-#                                                           #    $OUT/ab_summary.txt
+#                                                           #    $OUT/ab_summary.txt; REVS=A,B (short
+#                                                           #    hashes as packed) times only those
 #   or, the working tree under settings: benchmarks/ab_step.sh env ROUNDS MODES VAR=VALUE [VAR=VALUE ...]
 #                                                           # -> $OUT/ab_VAR-VALUE_*.json, the first the baseline
 # Env: PRESET (qwen3.6-35b-a3b), LAYERS (the preset's first N layers only; default all), CONTEXT (1040000), D (7),
@@ -16,10 +17,10 @@ case $cmd in
 pack)
   shift
   [[ $# -ge 1 ]] || { echo "ab_step.sh pack: name at least one revision" >&2; exit 2; }
-  rm -rf .ab && mkdir -p .ab  # about 12 MB a revision; a device call carries 64 MiB in all
+  rm -rf .ab && mkdir -p .ab  # gzip: ~9 MB a revision (tar -x detects it); a device call carries 64 MiB in all
   for rev in "$@"; do
     sha=$(git rev-parse --short "$rev")
-    git archive -o ".ab/$sha.tar" "$sha"
+    git archive --format=tar.gz -o ".ab/$sha.tar" "$sha"
     echo "$sha" >> .ab/order  # the first is the baseline of the summary
     echo ".ab/$sha.tar ($rev)"
   done ;;
@@ -37,7 +38,11 @@ run | env)
   declare -A dir setting
   if [[ $cmd == run ]]; then
     mapfile -t revs < .ab/order
+    if [[ -n ${REVS:-} ]]; then
+      IFS=, read -r -a revs <<< "$REVS"  # the first the baseline
+    fi
     for rev in "${revs[@]}"; do
+      [[ -f ".ab/$rev.tar" ]] || { echo "ab_step.sh run: REVS names $rev; packed: $(tr '\n' ' ' < .ab/order)" >&2; exit 2; }
       mkdir -p "/tmp/ab/$rev" && tar -xf ".ab/$rev.tar" -C "/tmp/ab/$rev"
       dir[$rev]=/tmp/ab/$rev setting[$rev]=WMTP_COMMIT=$rev
     done
