@@ -8,6 +8,7 @@ real N-token chunked prefill (TTFT) instead.
 
     python benchmarks/profile_step.py --modes native --context 1040000 --out prof.txt
     python benchmarks/profile_step.py --modes native,windowed --prefill 32768 --out prof_prefill.txt
+    python benchmarks/profile_step.py --modes windowed -d 3,4 --graphs auto --out prof_d34.txt  # a step in T_iter(d)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import wmtp
-from wmtp.bench.step import _spec
+from wmtp.bench.step import _spec, kv_dtype, parse_mode
 from wmtp.bench.synthetic import add_synthetic_request, force_acceptance, randomize_pools
 from wmtp.engine.config import EngineConfig
 from wmtp.engine.engine import Engine
@@ -30,7 +31,8 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3.6-35b-a3b")
     ap.add_argument("--modes", default="dense,native")
     ap.add_argument("--context", type=int, default=1_040_000)
-    ap.add_argument("-d", type=int, default=7)
+    ap.add_argument("-d", default="7", help="draft depth; several comma-separated (3,4) profile each on one model "
+                                            "load and write each kernel's change from one depth to the next")
     ap.add_argument("--prefill", type=int, default=0, help="profile a real prefill of this many tokens")
     ap.add_argument("--graphs", default="off", choices=("off", "auto"))
     ap.add_argument("--iters", type=int, default=3)
@@ -39,58 +41,101 @@ def main() -> None:
                     help="--prefill: then one more prefill under torch.cuda.set_sync_debug_mode, listing where the "
                          "host waited on the stream (blocking copies, .item(), .tolist()) by Python stack")
     ap.add_argument("--timeline", help="also write every profiled kernel (name, start, duration in us) as JSON here")
+    ap.add_argument("--device", default="cuda", help="cpu: the tiny presets under the Triton interpreter (no kernel "
+                                                     "times: a check that the script runs)")
     ap.add_argument("--layers", type=int, default=None, help="the preset's first N layers only (bench step's --layers)")
     ap.add_argument("--linears", action="store_true",
                     help="decode iterations: also the skinny linears by shape (N x K, rows, weight format) with "
                          "their time and read rate, the profiled launches matched in order to one eager "
                          "iteration's calls")
     a = ap.parse_args()
-    model = wmtp.load_model(a.preset, device="cuda", dtype="bfloat16", backend="triton", layers=a.layers)
+    depths = parse_depths(a.d)
+    model = wmtp.load_model(a.preset, device=a.device, dtype="bfloat16", backend="triton", layers=a.layers)
     with open(a.out, "w") as f:
         for mode in a.modes.split(","):
-            spec = _spec(mode, a.d, 4032, 64)
-            length = max(a.context, a.prefill) + 200
-            eng = Engine(model, spec, EngineConfig(max_model_len=length, max_num_seqs=1, page_size=64,
-                                                   prefill_chunk=8192, decode_graphs=a.graphs))
-            if a.prefill:
-                warm, prompt = torch.randint(1, model.config.vocab_size, (2, a.prefill)).tolist()
-                # a first prefill outside the profile: JIT compiles and autotuning (flash-linear-attention's)
-                # are not this prefill's kernels
-                prefill(eng, warm)
-                eng.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-                what = f"prefill of {a.prefill} tokens"
-            else:
-                randomize_pools(eng)
-                add_synthetic_request(eng, a.context, 150)
-                force_acceptance(eng, min(3, spec.gamma))
-                for _ in range(3):
-                    eng.step()
-                calls = linear_calls(eng) if a.linears else None
-                what = f"{a.iters} iterations, graphs {a.graphs}"
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(a.iters if not a.prefill else 10**9):
-                    eng.step()
-                    if not eng.has_unfinished():
-                        break
-                torch.cuda.synchronize()
-            summary = kernel_summary(prof, 1 if a.prefill else a.iters)
-            print(f"{mode} ({what}): {summary['line']}", flush=True)
-            if a.timeline:
-                write_timeline(prof, a.timeline.replace(".json", f"_{mode}.json"), f"{mode}, {what}")
-            f.write(f"==== {mode}: kernels per iteration ({what})\n{summary['table']}\n")
-            if calls is not None:
-                f.write(f"==== {mode}: skinny linears by shape ({what})\n{linears_table(prof, calls, a.iters)}\n")
-            for key in ("self_cpu_time_total", "cuda_time_total"):
-                f.write(f"==== {mode}: by {key} ({what})\n")
-                f.write(prof.key_averages().table(sort_by=key, row_limit=25) + "\n")
-            if a.syncs and a.prefill:
-                prompt = torch.randint(1, model.config.vocab_size, (a.prefill,)).tolist()
-                f.write(f"==== {mode}: host waits by Python stack (another {what})\n{sync_sites(eng, prompt)}\n")
-            del eng
-            from wmtp.bench.step import release_pools
+            by_depth = {}
+            for d in depths if parse_mode(mode)[0] != "dense" else depths[:1]:
+                by_depth[d] = profile_mode(model, mode, d, a, f)
+            for lo, hi in zip(depths, depths[1:]):
+                if lo in by_depth and hi in by_depth:
+                    f.write(f"==== {mode}: exclusive time per iteration by kernel, d = {lo} -> {hi}\n"
+                            f"{depth_diff(by_depth[lo], by_depth[hi], lo, hi)}\n")
 
-            release_pools(model)
+
+def parse_depths(spec: str) -> list[int]:
+    """``-d``'s depths: one, or several comma-separated (each profiled, and each next to the one before)."""
+    try:
+        depths = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise SystemExit(f"profile_step: -d {spec!r} must be depths >= 1, comma-separated") from None
+    if not depths or min(depths) < 1:
+        raise SystemExit(f"profile_step: -d {spec!r} must be depths >= 1, comma-separated")
+    return depths
+
+
+def profile_mode(model, mode: str, d: int, a: argparse.Namespace, f) -> dict[str, float]:
+    """Profile ``mode`` at depth d (a prefill with ``--prefill``), write its sections to f, and return
+    the exclusive time per iteration (us) by kernel name."""
+    spec = _spec(mode, d, 4032, 64)
+    length = max(a.context, a.prefill) + 200
+    eng = Engine(model, spec, EngineConfig(max_model_len=length, max_num_seqs=1, page_size=64, prefill_chunk=8192,
+                                           decode_graphs=a.graphs, kv_cache_dtype=kv_dtype(mode)))
+    calls = None
+    if a.prefill:
+        warm, prompt = torch.randint(1, model.config.vocab_size, (2, a.prefill)).tolist()
+        # a first prefill outside the profile: JIT compiles and autotuning (flash-linear-attention's)
+        # are not this prefill's kernels
+        prefill(eng, warm)
+        eng.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        what = f"prefill of {a.prefill} tokens"
+    else:
+        randomize_pools(eng)
+        add_synthetic_request(eng, a.context, 150)
+        force_acceptance(eng, min(3, spec.gamma))
+        for _ in range(3):
+            eng.step()
+        calls = linear_calls(eng) if a.linears else None
+        what = f"d = {spec.num_draft_tokens}, {a.iters} iterations, graphs {a.graphs}"
+    if a.device == "cuda":
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(a.iters if not a.prefill else 10**9):
+            eng.step()
+            if not eng.has_unfinished():
+                break
+        if a.device == "cuda":
+            torch.cuda.synchronize()
+    iters = 1 if a.prefill else a.iters
+    summary = kernel_summary(prof, iters)
+    print(f"{mode} ({what}): {summary['line']}", flush=True)
+    if a.timeline:
+        write_timeline(prof, a.timeline.replace(".json", f"_{mode}_d{d}.json"), f"{mode}, {what}")
+    f.write(f"==== {mode}: kernels per iteration ({what})\n{summary['table']}\n")
+    if calls is not None:
+        f.write(f"==== {mode}: skinny linears by shape ({what})\n{linears_table(prof, calls, a.iters)}\n")
+    for key in ("self_cpu_time_total", "cuda_time_total"):
+        f.write(f"==== {mode}: by {key} ({what})\n")
+        f.write(prof.key_averages().table(sort_by=key, row_limit=25) + "\n")
+    if a.syncs and a.prefill:
+        prompt = torch.randint(1, model.config.vocab_size, (a.prefill,)).tolist()
+        f.write(f"==== {mode}: host waits by Python stack (another {what})\n{sync_sites(eng, prompt)}\n")
+    del eng
+    from wmtp.bench.step import release_pools
+
+    release_pools(model)
+    return summary["by_kernel"]
+
+
+def depth_diff(lo: dict[str, float], hi: dict[str, float], d_lo: int, d_hi: int) -> str:
+    """Each kernel's exclusive time per iteration at the two depths and the change, largest change
+    first: what a step in T_iter between them is made of."""
+    names = sorted(set(lo) | set(hi), key=lambda n: -abs(hi.get(n, 0.0) - lo.get(n, 0.0)))
+    total = sum(hi.values()) - sum(lo.values())
+    return (f"  d = {d_lo} (ms)  d = {d_hi} (ms)   change (ms)\n"
+            + "\n".join(f"{lo.get(n, 0.0) / 1e3:11.3f} {hi.get(n, 0.0) / 1e3:13.3f} {(hi.get(n, 0.0) - lo.get(n, 0.0)) / 1e3:+13.3f}  {n}"
+                         for n in names[:25])
+            + f"\n{'':25s} {total / 1e3:+13.3f}  all kernels")
 
 
 def prefill(eng: Engine, prompt: list[int]) -> None:
@@ -205,7 +250,7 @@ def kernel_summary(prof, iters: int) -> dict:
     their summed spans, largest exclusive time first."""
     kernels = _kernels(prof)
     if not kernels:
-        return {"line": "no kernels recorded", "table": ""}
+        return {"line": "no kernels recorded", "table": "", "by_kernel": {}}
     busy, cur_lo, cur_hi = 0.0, kernels[0].time_range.start, kernels[0].time_range.end
     long_gaps = []  # idle stretches > 5 us: host work between replays (in-graph gaps are ~1 us)
     for e in kernels[1:]:
@@ -231,7 +276,7 @@ def kernel_summary(prof, iters: int) -> dict:
     line = (f"{len(kernels) / iters:.0f} kernels/iter, kernel sum {total / iters / 1e3:.2f} ms, busy {busy / iters / 1e3:.2f} ms,"
             f" span {span / iters / 1e3:.2f} ms per iteration; idle > 5 us: {len(long_gaps) / iters:.1f}x,"
             f" {sum(long_gaps) / iters / 1e3:.3f} ms per iteration")
-    return {"line": line, "table": table}
+    return {"line": line, "table": table, "by_kernel": {n: x / iters for n, (_, _, x) in groups.items()}}
 
 
 if __name__ == "__main__":
