@@ -42,7 +42,7 @@ run | env)
       IFS=, read -r -a revs <<< "$REVS"  # the first the baseline
     fi
     for rev in "${revs[@]}"; do
-      [[ -f ".ab/$rev.tar" ]] || { echo "ab_step.sh run: REVS names $rev; packed: $(tr '\n' ' ' < .ab/order)" >&2; exit 2; }
+      [[ -f ".ab/$rev.tar" ]] || { echo "ab_step.sh run: no .ab/$rev.tar (packed: $(tr '\n' ' ' < .ab/order))" >&2; exit 2; }
       mkdir -p "/tmp/ab/$rev" && tar -xf ".ab/$rev.tar" -C "/tmp/ab/$rev"
       dir[$rev]=/tmp/ab/$rev setting[$rev]=WMTP_COMMIT=$rev
     done

@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import wmtp
-from wmtp.bench.step import _spec, kv_dtype, parse_mode
+from wmtp.bench.step import _spec, kv_dtype, parse_mode, release_pools
 from wmtp.bench.synthetic import add_synthetic_request, force_acceptance, randomize_pools
 from wmtp.engine.config import EngineConfig
 from wmtp.engine.engine import Engine
@@ -121,8 +121,6 @@ def profile_mode(model, mode: str, d: int, a: argparse.Namespace, f) -> dict[str
         prompt = torch.randint(1, model.config.vocab_size, (a.prefill,)).tolist()
         f.write(f"==== {mode}: host waits by Python stack (another {what})\n{sync_sites(eng, prompt)}\n")
     del eng
-    from wmtp.bench.step import release_pools
-
     release_pools(model)
     return summary["by_kernel"]
 
